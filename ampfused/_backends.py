@@ -1,0 +1,141 @@
+"""Lazy discovery of the backends that implement ampfused's passes.
+
+Every backend is a module (or an object) with a ``NAME`` and the same three passes (the ``reference`` module is their
+specification and the test oracle):
+
+``accumulate_(main_grad, grad)``
+    ``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16, same shape).
+``grad_stats_(grads, inv_scale, sumsq)``
+    ``sumsq += sum_i sum((grads[i].float() * inv_scale) ** 2)`` into a 0-d fp32 device tensor;
+    ``inv_scale`` is a 0-d fp32 device tensor or ``None`` (meaning 1). Non-finite inputs make
+    ``sumsq`` non-finite, which is how a step detects inf/NaN.
+``adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor, skip)``
+    One AdamW step over parallel lists (``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a
+    param has no AMSGrad buffer / no master copy); ``hypers[i]`` is a :class:`~ampfused.functional.Hyper`;
+    grads are multiplied by the 0-d fp32 device tensor ``factor`` (clip coefficient / loss scale);
+    when the 0-d fp32 device tensor ``skip`` is non-zero nothing is written at all.
+
+A module may also expose ``supports(device) -> str | None`` returning why it cannot serve tensors
+on ``device`` (``None`` when it can).
+
+Nothing here runs at ``import ampfused``: backends are probed on first use and cached.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType  # a backend is a module or an object with the same attributes
+
+import torch
+
+BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")
+ENV_VAR = "AMPFUSED_BACKEND"
+
+# name -> (module or None, reason it is unavailable or the empty string)
+_probed: dict[str, tuple[ModuleType | None, str]] = {}
+
+
+def _probe_reference():
+    return importlib.import_module("ampfused.reference"), ""
+
+
+def _probe_triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return None, f"triton is not installed ({exc}); `pip install triton>=3.6`"
+    try:
+        module = importlib.import_module("ampfused.kernels")
+    except ImportError as exc:
+        return None, f"ampfused.kernels failed to import: {exc}"
+    if not hasattr(module, "adamw_update_"):
+        return None, "ampfused.kernels has no Triton passes in this build"
+    return module, ""
+
+
+def _probe_compiled(device_type: str):
+    # ampfused._compiled wraps the extension ampfused._C; get_backend("cpu"|"cuda") returns
+    # (backend object with the passes, "") or (None, reason).
+    try:
+        module = importlib.import_module("ampfused._compiled")
+    except ImportError as exc:
+        return None, f"the compiled extension is not available: {exc}"
+    return module.get_backend(device_type)
+
+
+_PROBES = {
+    "reference": _probe_reference,
+    "triton": _probe_triton,
+    "cpu": lambda: _probe_compiled("cpu"),
+    "cuda": lambda: _probe_compiled("cuda"),
+}
+
+
+def probe(name: str) -> tuple[ModuleType | None, str]:
+    """(module, "") when backend ``name`` is usable in this process, else (None, reason). Cached."""
+    check_name(name)
+    if name not in _probed:
+        try:
+            _probed[name] = _PROBES[name]()
+        except Exception as exc:  # a broken build must never break ampfused
+            _probed[name] = (None, f"probing failed: {type(exc).__name__}: {exc}")
+    return _probed[name]
+
+
+def check_name(name: str) -> None:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; valid backends are {', '.join(map(repr, BACKEND_NAMES))} or None (auto)")
+
+
+def _device_reason(module: ModuleType, device: torch.device) -> str:
+    supports = getattr(module, "supports", None)
+    return (supports(device) or "") if supports is not None else ""
+
+
+def _auto_order(device: torch.device) -> tuple[str, ...]:
+    if device.type == "cuda":
+        return ("cuda", "triton", "reference")
+    # [note: triton on CPU] the Triton interpreter is for checking kernels, not for speed: only
+    # an explicit request (backend="triton" or AMPFUSED_BACKEND=triton) uses it on CPU tensors.
+    return ("cpu", "reference")
+
+
+def resolve(requested: str | None, device: torch.device) -> tuple[ModuleType, str]:
+    """Pick the backend for tensors on ``device``; returns (module, why it was chosen).
+
+    ``requested`` (or the AMPFUSED_BACKEND environment variable when it is None) forces one and
+    raises RuntimeError with the reason when it cannot serve; None picks the best available.
+    """
+    requested = requested or os.environ.get(ENV_VAR) or None
+    if requested is not None:
+        check_name(requested)
+        module, reason = probe(requested)
+        reason = reason or _device_reason(module, device)
+        if reason:
+            raise RuntimeError(f"ampfused backend {requested!r} is unavailable for {device.type} tensors: {reason}")
+        return module, f"{requested!r} requested"
+    skipped = []
+    for name in _auto_order(device):
+        module, reason = probe(name)
+        reason = reason or _device_reason(module, device)
+        if not reason:
+            why = f"best available for {device.type}" + (f" ({'; '.join(skipped)})" if skipped else "")
+            return module, why
+        skipped.append(f"{name}: {reason}")
+    raise RuntimeError("no ampfused backend available: " + "; ".join(skipped))  # unreachable: reference serves all
+
+
+def report() -> list[tuple[str, bool, str]]:
+    """(name, available, reason) for every backend, for `python -m ampfused info`."""
+    rows = []
+    for name in BACKEND_NAMES:
+        module, reason = probe(name)
+        if module is not None and name in ("cuda", "triton"):
+            reason = _device_reason(module, torch.device("cuda"))
+            if name == "triton" and reason:
+                cpu_reason = _device_reason(module, torch.device("cpu"))
+                reason = f"cuda: {reason}; cpu: {cpu_reason or 'available (interpreter)'}"
+                rows.append((name, not cpu_reason, reason))
+                continue
+        rows.append((name, module is not None and not reason, reason))
+    return rows

@@ -1,0 +1,111 @@
+"""The functional core of FusedAmpAdamW and the one place that dispatches to a backend.
+
+A step is two passes plus a few scalar ops that stay on the device:
+
+1. **stats** -- ``sumsq = sum((g / S)^2)`` over every gradient of every group;
+2. **finish** (0-d tensors) -- ``norm = sqrt(sumsq)``, ``skip = !isfinite(norm) or found_inf``,
+   ``factor = min(1, c / (norm + 1e-6)) / S``;
+3. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _backends
+
+CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
+
+
+class Hyper(NamedTuple):
+    """Hyperparameters of one param group, shared by all tensors of the group."""
+
+    lr: float | Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+
+
+def _per_tensor(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} tensors")
+        return list(value)
+    return [value] * n
+
+
+def fused_amp_adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor | None],
+    state_steps: list[Tensor],
+    master_params: list[Tensor | None] | None = None,
+    *,
+    lr: float | Tensor | Sequence,
+    beta1: float | Sequence[float],
+    beta2: float | Sequence[float],
+    eps: float | Sequence[float],
+    weight_decay: float | Sequence[float],
+    amsgrad: bool | Sequence[bool] = False,
+    maximize: bool | Sequence[bool] = False,
+    max_grad_norm: float | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Functional form of :class:`ampfused.FusedAmpAdamW`: one fused AMP AdamW step.
+
+    All lists are parallel (one entry per tensor). Hyperparameters are a scalar for all tensors or a
+    sequence with one entry per tensor. ``state_steps`` are 0-d fp32 tensors on the params' device.
+    ``max_exp_avg_sqs`` / ``master_params`` entries may be ``None`` (no AMSGrad / fp32 param).
+    ``grad_scale`` is the loss scale the grads carry, ``found_inf`` a device flag from an earlier
+    inf check (non-zero skips the step).
+
+    Returns ``(grad_norm, skipped)``: the L2 norm of the unscaled grads before clipping (non-finite
+    when the step was skipped) and a 0-d fp32 flag, both on the device; nothing is synchronized.
+    """
+    n = len(params)
+    lists = (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+    if any(len(x) != n for x in lists) or (master_params is not None and len(master_params) != n):
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps and master_params must have equal lengths")
+    if master_params is None:
+        master_params = [None] * n
+    columns = [
+        _per_tensor(v, n, name)
+        for v, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay"), (amsgrad, "amsgrad"), (maximize, "maximize"))
+    ]
+    hypers = [Hyper(*row) for row in zip(*columns)]
+    module = _backends.resolve(backend, params[0].device)[0] if n else None
+    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+
+
+def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
+    """Stats pass, device-side finish, update pass. No host synchronization."""
+    device = params[0].device
+    inv_scale = None
+    if grad_scale is not None:
+        # exactly the reciprocal torch.amp.GradScaler.unscale_ uses
+        inv_scale = grad_scale.to(device=device, dtype=torch.float64).reciprocal().float().reshape(())
+    sumsq = torch.zeros((), dtype=torch.float32, device=device)
+    backend.grad_stats_(grads, inv_scale, sumsq)
+    grad_norm = sumsq.sqrt()
+    skip = ~torch.isfinite(grad_norm)
+    if isinstance(found_inf, Tensor):
+        skip |= found_inf.to(device=device, dtype=torch.float32).reshape(-1).sum() != 0
+    elif found_inf:  # a plain number (torch.amp.GradScaler passes 0 when it checked no grads)
+        skip = torch.ones_like(skip)
+    factor = inv_scale if inv_scale is not None else torch.ones((), dtype=torch.float32, device=device)
+    if max_grad_norm is not None:
+        factor = factor * (max_grad_norm / (grad_norm + CLIP_EPS)).clamp_(max=1.0)
+    skipped = skip.float()
+    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor, skipped)
+    grad_norm = torch.where(skip & torch.isfinite(grad_norm), math.inf, grad_norm)
+    return grad_norm, skipped

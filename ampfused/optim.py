@@ -1,0 +1,386 @@
+"""FusedAmpAdamW: validation, lazy flat state, fp32 gradient accumulation hooks, step()."""
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from collections import defaultdict
+from itertools import chain
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import _backends, functional
+from ._flat import FlatBuffer
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    elif not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate (lr): {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value (eps): {eps}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor):
+            raise ValueError(f"betas[{i}] must be a float: tensor betas are not supported")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i} (betas[{i}]): {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class FusedAmpAdamW(Optimizer):
+    r"""AdamW fused with the mixed-precision bookkeeping around it.
+
+    A drop-in replacement for :class:`torch.optim.AdamW` (pair it with :class:`ampfused.GradScaler`
+    for fp16). For the gradients ``g`` of one ``step()`` (scaled by ``S`` when a scaler drives it):
+
+    .. math::
+        \begin{aligned}
+            &u \leftarrow g / S \text{ for every param};\quad n \leftarrow \lVert u \rVert_2
+                \text{ over all params of all groups}                                     \\
+            &\textbf{if } n \text{ is not finite: skip the whole step (nothing changes)}     \\
+            &u \leftarrow u \cdot \min(1, c / (n + 10^{-6}))
+                \quad\text{when } \texttt{max\_grad\_norm} = c                             \\
+            &\textbf{per param } \theta \text{ (its fp32 master copy for fp16/bf16):}      \\
+            &\hspace{5mm} t \leftarrow t + 1;\quad \textbf{if } maximize: u \leftarrow -u  \\
+            &\hspace{5mm}\theta \leftarrow \theta - \gamma \lambda \theta                 \\
+            &\hspace{5mm} m \leftarrow \beta_1 m + (1 - \beta_1) u;\quad
+                v \leftarrow \beta_2 v + (1-\beta_2) u^2                                    \\
+            &\hspace{5mm}\widehat{v} \leftarrow \max(\widehat{v}, v) \text{ if amsgrad else } v \\
+            &\hspace{5mm}\theta \leftarrow \theta - \frac{\gamma}{1-\beta_1^t}\,
+                m \Big/ \Big(\sqrt{\widehat{v}} / \sqrt{1-\beta_2^t} + \epsilon\Big)          \\
+            &\hspace{5mm}p \leftarrow \mathrm{round\_nearest\_even}(\theta)
+                \text{ for an fp16/bf16 param } p
+        \end{aligned}
+
+    Args:
+        params: iterable of parameters or param-group dicts (fp32, fp16 or bf16, one device).
+        lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
+        max_grad_norm (float, optional): clip the global L2 norm of the unscaled gradients to this
+            value inside the step (``torch.nn.utils.clip_grad_norm_`` semantics).
+        master_weights (bool, optional): keep fp32 master copies of fp16/bf16 params in
+            ``state["master_param"]``. ``None``: on for every fp16/bf16 param.
+        fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients into fp32
+            ``p.main_grad`` during backward (``p.grad`` is folded in and freed at once).
+            ``None``: on wherever master weights are on.
+        backend (str, optional): ``"cuda"``, ``"triton"``, ``"cpu"`` or ``"reference"``; ``None``
+            picks the best available (overridable with ``AMPFUSED_BACKEND``).
+
+    After each step, ``opt.grad_norm`` is the 0-d device tensor norm ``n`` (non-finite when the step
+    was skipped). Nothing in ``step()`` synchronizes the host with the device.
+    """
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale/found_inf
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, max_grad_norm=None, master_weights=None, fp32_grad_accumulation=None, backend=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        # foreach/fused/capturable are accepted so torch.optim.AdamW call sites keep working: this
+        # optimizer is always fused and capturable.
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a positive finite float or None)")
+        if differentiable:
+            raise ValueError("differentiable=True is not supported by FusedAmpAdamW")
+        if backend is not None:
+            _backends.check_name(backend)
+        self.max_grad_norm = max_grad_norm
+        self.master_weights = master_weights
+        self.fp32_grad_accumulation = fp32_grad_accumulation
+        self.grad_norm: Tensor | None = None
+        self._backend_name = backend
+        self._backend = None
+        self._device = None
+        self._param_dtypes: dict[Tensor, torch.dtype] = {}
+        self._state_flat: dict[str, FlatBuffer] | None = None  # built at the first step
+        self._state_index: dict[Tensor, int] = {}
+        self._main_grad_flat: FlatBuffer | None = None
+        self._has_main_grad: set[Tensor] = set()
+        self._hooks = []
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults)
+
+    # ---------------------------------------------------------------- param registration
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            self._check_param(p)
+        group_options = {k: v for k, v in param_group.items() if k != "params"}
+        merged = {**self.defaults, **group_options}
+        _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._param_dtypes[p] = p.dtype
+        self._state_flat = None  # new params: the flat state is re-laid out at the next step
+        self._setup_main_grads()
+
+    def _check_param(self, p) -> None:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__}")
+        if p.is_complex():
+            raise ValueError("complex parameters are not supported by FusedAmpAdamW (use torch.view_as_real on a real copy)")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"parameter dtype {p.dtype} is not supported: FusedAmpAdamW takes float32, float16 and bfloat16 params")
+        if p.is_sparse:
+            raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
+        if not p.is_contiguous():
+            raise ValueError("non-contiguous parameter: FusedAmpAdamW's kernels address params as flat memory; make it contiguous before building the optimizer")
+        if self._device is None:
+            self._device = p.device
+        elif p.device != self._device:
+            raise ValueError(f"params on several devices ({self._device} and {p.device}): use one FusedAmpAdamW per device")
+
+    def _uses_master(self, p: Tensor) -> bool:
+        return p.dtype in LOW_PRECISION and self.master_weights is not False
+
+    def _uses_main_grad(self, p: Tensor) -> bool:
+        if p.dtype not in LOW_PRECISION:
+            return False
+        if self.fp32_grad_accumulation is None:
+            return self._uses_master(p)
+        return bool(self.fp32_grad_accumulation)
+
+    def _all_params(self) -> list[Tensor]:
+        return list(chain.from_iterable(g["params"] for g in self.param_groups))
+
+    # ---------------------------------------------------------------- fp32 gradient accumulation
+
+    def _setup_main_grads(self) -> None:
+        """(Re)build the flat fp32 main_grad storage and hook every param that needs it."""
+        wanted = [p for p in self._all_params() if self._uses_main_grad(p)]
+        old = {} if self._main_grad_flat is None else {p: p.main_grad for p in wanted if hasattr(p, "main_grad")}
+        hooked = {id(h_p) for h_p, _ in self._hooks}
+        self._main_grad_flat = FlatBuffer(wanted, self._device) if wanted else None
+        ref = weakref.ref(self)
+        for i, p in enumerate(wanted):
+            if p in old:
+                self._main_grad_flat.views[i].copy_(old[p])
+            p.main_grad = self._main_grad_flat.views[i]
+            if id(p) not in hooked:
+                self._hooks.append((p, p.register_post_accumulate_grad_hook(_accumulate_hook(ref))))
+
+    def _fold_grad(self, p: Tensor) -> None:
+        """Add the fresh low-precision p.grad into p.main_grad and free it."""
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
+        if grad.shape != p.shape:
+            raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+        self._get_backend().accumulate_(p.main_grad, grad)
+        p.grad = None
+        self._has_main_grad.add(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self._main_grad_flat is not None:
+            self._main_grad_flat.data.zero_()
+            if set_to_none:
+                self._has_main_grad.clear()
+
+    # ---------------------------------------------------------------- backend and state
+
+    def _get_backend(self):
+        if self._backend is None:
+            self._backend, self.backend_reason = _backends.resolve(self._backend_name, self._device)
+        return self._backend
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend serving this optimizer (resolved on first use)."""
+        return self._get_backend().NAME
+
+    def _build_state_layout(self) -> None:
+        """Allocate flat state for every param (old contents copied) and re-point state views."""
+        params = self._all_params()
+        amsgrad = [p for g in self.param_groups if g["amsgrad"] for p in g["params"]]
+        masters = [p for p in params if self._uses_master(p)]
+        flat = {"exp_avg": FlatBuffer(params, self._device), "exp_avg_sq": FlatBuffer(params, self._device)}
+        if amsgrad:
+            flat["max_exp_avg_sq"] = FlatBuffer(amsgrad, self._device)
+        if masters:
+            flat["master_param"] = FlatBuffer(masters, self._device)
+        steps = torch.zeros(len(params), dtype=torch.float32, device=self._device)
+        index = {p: i for i, p in enumerate(params)}
+        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (("exp_avg", params), ("exp_avg_sq", params), ("max_exp_avg_sq", amsgrad), ("master_param", masters))}
+        for p, state in self.state.items():
+            if not state:
+                continue
+            steps[index[p]].copy_(state["step"])
+            state["step"] = steps[index[p]]
+            for key in MOMENT_KEYS:
+                if key in state:
+                    view = flat[key].views[slots[key][p]]
+                    view.copy_(state[key])
+                    state[key] = view
+        self._state_flat, self._steps_flat, self._state_index, self._slots = flat, steps, index, slots
+
+    def _view(self, key: str, p: Tensor) -> Tensor:
+        return self._state_flat[key].views[self._slots[key][p]]
+
+    def _init_state(self, p: Tensor, amsgrad: bool) -> None:
+        """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step."""
+        if self._state_flat is None or p not in self._state_index or (amsgrad and p not in self._slots["max_exp_avg_sq"]):
+            self._build_state_layout()
+        state = self.state[p]
+        state["step"] = self._steps_flat[self._state_index[p]].zero_()
+        state["exp_avg"] = self._view("exp_avg", p).zero_()
+        state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
+        if amsgrad:
+            state["max_exp_avg_sq"] = self._view("max_exp_avg_sq", p).zero_()
+        if self._uses_master(p):
+            state["master_param"] = self._view("master_param", p).copy_(p)
+
+    # ---------------------------------------------------------------- step
+
+    def _grads_to_step(self) -> list[tuple[Tensor, Tensor, dict]]:
+        """(param, grad, group) for every param that has a gradient; validates before any write."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != self._param_dtypes[p] or p.device != self._device:
+                    raise RuntimeError(
+                        f"a parameter changed from {self._param_dtypes[p]} on {self._device} to {p.dtype} on {p.device} "
+                        "after the optimizer was built (e.g. model.half() afterwards): build the optimizer after converting the model")
+                if self._uses_main_grad(p):
+                    if p.grad is not None:
+                        self._fold_grad(p)
+                    if p in self._has_main_grad:
+                        out.append((p, p.main_grad, group))
+                elif p.grad is not None:
+                    grad = p.grad
+                    if grad.is_sparse:
+                        raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
+                    if grad.shape != p.shape:
+                        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+                    out.append((p, grad if grad.is_contiguous() else grad.contiguous(), group))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform a single optimization step (skipped, bitwise, when any gradient is inf/NaN).
+
+        Args:
+            closure (Callable, optional): reevaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
+        if hasattr(self, "found_inf") and found_inf_out is None and self._main_grad_flat is not None:
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot see gradients accumulated in p.main_grad, so it would never react to "
+                "their overflows: drive FusedAmpAdamW with ampfused.GradScaler (a drop-in subclass), or build it with "
+                "fp32_grad_accumulation=False")
+        work = self._grads_to_step()
+        if not work:
+            return loss
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers = ([] for _ in range(8))
+        group_hyper = {}
+        for p, grad, group in work:
+            state = self.state[p]
+            if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
+                self._init_state(p, group["amsgrad"])
+            hyper = group_hyper.get(id(group))
+            if hyper is None:
+                beta1, beta2 = group["betas"]
+                hyper = group_hyper[id(group)] = functional.Hyper(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+            params.append(p)
+            grads.append(grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            max_exp_avg_sqs.append(state.get("max_exp_avg_sq") if group["amsgrad"] else None)
+            steps.append(state["step"])
+            masters.append(state.get("master_param"))
+            hypers.append(hyper)
+        self.grad_norm, skipped = functional.run_step(
+            self._get_backend(), params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+        if found_inf_out is not None:
+            found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
+        return loss
+
+    # ---------------------------------------------------------------- GradScaler support
+
+    @torch.no_grad()
+    def _unscale_grads_(self, inv_scale: Tensor, found_inf: Tensor) -> None:
+        """Unscale every gradient this optimizer will read (main_grad included), for GradScaler.unscale_."""
+        from .reference import unscale_and_check_
+
+        grads = [g for _, g, _ in self._grads_to_step()]
+        if grads:
+            unscale_and_check_(grads, inv_scale.to(self._device), found_inf)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of FusedAmpAdamW or torch.optim.AdamW.
+
+        State stays fp32 whatever the param dtype (torch's base class would cast it to the param
+        dtype); master weights missing from the dict are created from the current params.
+        Everything is validated before anything is written.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(self.param_groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        id_map = dict(zip(chain.from_iterable(s["params"] for s in saved_groups), self._all_params()))
+        amsgrad_of = {p: s.get("amsgrad", False) for s in saved_groups for p in s["params"]}
+        saved_state = state_dict["state"]
+        for key, values in saved_state.items():
+            if key not in id_map:
+                raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
+            p = id_map[key]
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values]
+            if missing:
+                raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
+            for name in MOMENT_KEYS:
+                if name in values and tuple(values[name].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
+                        f"shape {tuple(p.shape)}: the state dict belongs to another model or optimizer")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+            group["betas"] = tuple(group["betas"])
+        self.state = defaultdict(dict)
+        self._build_state_layout()
+        for key, values in saved_state.items():
+            p = id_map[key]
+            self._init_state(p, bool(amsgrad_of[key]))
+            state = self.state[p]
+            step = values["step"]
+            state["step"].copy_(step if isinstance(step, Tensor) else torch.tensor(float(step)))
+            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                if name in values and name in state:
+                    state[name].copy_(values[name])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _accumulate_hook(optimizer_ref):
+    """Post-accumulate-grad hook folding p.grad into p.main_grad (no-op once the optimizer is gone)."""
+
+    def hook(p: Tensor) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None and p.grad is not None and getattr(p, "main_grad", None) is not None:
+            optimizer._fold_grad(p)
+
+    return hook

@@ -1,0 +1,192 @@
+"""GradScaler: torch.amp.GradScaler that lets FusedAmpAdamW find overflows in its own stats pass,
+unscales fp16 and bf16 gradients, and updates the scale on the device with hysteresis and a floor."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.amp.grad_scaler import OptState
+
+from .optim import FusedAmpAdamW
+from .reference import unscale_and_check_
+
+
+class GradScaler(torch.amp.GradScaler):
+    r"""Drop-in :class:`torch.amp.GradScaler` for :class:`ampfused.FusedAmpAdamW`.
+
+    Differences from torch's scaler:
+
+    * with a :class:`FusedAmpAdamW`, ``step()`` runs no inf-check pass of its own: the optimizer's
+      stats pass, which it runs anyway for the gradient norm, finds inf/NaN and reports it back on
+      the device. With any other optimizer it behaves exactly like torch's.
+    * ``unscale_`` accepts fp16 and bf16 gradients (and ``p.main_grad``).
+    * ``update()`` implements, on the device,
+
+      .. math::
+          \begin{aligned}
+            &\textbf{if } \text{found\_inf}: \; g \leftarrow 0;\; h \leftarrow h - 1;\;
+               \textbf{if } h \le 0: S \leftarrow \max(S \cdot \text{backoff\_factor}, \text{min\_scale}) \\
+            &\textbf{else}: \; g \leftarrow g + 1;\; \textbf{if } g = \text{growth\_interval}:
+               g \leftarrow 0;\; h \leftarrow \text{hysteresis};\;
+               S \leftarrow S \cdot \text{growth\_factor} \text{ (if finite)}
+          \end{aligned}
+
+      ``hysteresis=1`` and ``min_scale=None`` give exactly torch's scale trajectory. As in Megatron-LM
+      and DeepSpeed, the hysteresis budget ``h`` is restored when the scale grows.
+
+    Args:
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch's.
+        hysteresis (int): overflowing steps tolerated before the scale backs off (default 1).
+        min_scale (float, optional): the scale never backs off below this value.
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 hysteresis: int = 1, min_scale: float | None = None) -> None:
+        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+            raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+        if min_scale is not None and not (0 < min_scale < math.inf):
+            raise ValueError(f"min_scale must be a positive finite float or None, got {min_scale!r}")
+        if min_scale is not None and min_scale > init_scale:
+            raise ValueError(f"min_scale ({min_scale}) is larger than init_scale ({init_scale})")
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self._hysteresis = hysteresis
+        self._min_scale = min_scale
+        self._init_hysteresis_tracker = hysteresis
+        self._init_skipped_steps = 0
+        self._hysteresis_tracker: Tensor | None = None
+        self._skipped_steps: Tensor | None = None
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of optimizer steps skipped because gradients were inf/NaN.
+
+        .. warning:: Reading it synchronizes the host with the device (like ``get_scale``).
+        """
+        if self._skipped_steps is None:
+            return self._init_skipped_steps
+        return int(self._skipped_steps.item())
+
+    # ------------------------------------------------------------------ unscale / step
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # [note: fp16 and bf16 unscale] torch refuses fp16 grads here and its CUDA kernel refuses
+        # bf16; with fp32 master weights both are safe to unscale, so both are accepted.
+        if isinstance(optimizer, FusedAmpAdamW):
+            optimizer._unscale_grads_(inv_scale, found_inf)
+            return {found_inf.device: found_inf}
+        per_device: dict[torch.device, list[Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        if p.grad.dtype is torch.float16:
+                            p.grad = p.grad.coalesce()
+                        per_device.setdefault(p.grad.device, []).append(p.grad._values())
+                    else:
+                        per_device.setdefault(p.grad.device, []).append(p.grad)
+            found = {}
+            for device, grads in per_device.items():
+                found[device] = found_inf.to(device, copy=True)
+                unscale_and_check_(grads, inv_scale.to(device), found[device])
+        return found
+
+    def step(self, optimizer, *args, **kwargs):
+        """Step ``optimizer`` unless its gradients hold inf/NaN; returns what ``optimizer.step`` returns."""
+        if not (self._enabled and isinstance(optimizer, FusedAmpAdamW)):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        unscaled = optimizer_state["stage"] is OptState.UNSCALED
+        found_inf_out = torch.zeros((), dtype=torch.float32, device=scale.device)
+        optimizer.grad_scale = None if unscaled else scale
+        optimizer.found_inf = sum(optimizer_state["found_inf_per_device"].values()) if unscaled else None
+        optimizer._ampfused_found_inf_out = found_inf_out
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf, optimizer._ampfused_found_inf_out
+        # The optimizer's flag includes any overflow unscale_ found, so it replaces those entries.
+        optimizer_state["found_inf_per_device"] = {found_inf_out.device: found_inf_out}
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """Update the scale on the device (see the class docstring); never synchronizes."""
+        if not self._enabled:
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        found_infs = [f.to(device=scale.device, non_blocking=True)
+                      for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        if not found_infs:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = torch.stack([f.reshape(()) for f in found_infs]).sum() != 0
+        hysteresis_left = torch.where(found, self._hysteresis_tracker - 1, self._hysteresis_tracker)
+        back_off = found & (hysteresis_left <= 0)
+        good_steps = torch.where(found, 0, growth_tracker + 1)
+        grow = good_steps == self._growth_interval
+        grown = scale * self._growth_factor
+        backed_off = scale * self._backoff_factor
+        if self._min_scale is not None:
+            backed_off = torch.clamp(backed_off, min=self._min_scale)
+        new = torch.where(back_off, backed_off, torch.where(grow & torch.isfinite(grown), grown, scale))
+        scale.copy_(new)
+        growth_tracker.copy_(torch.where(grow, 0, good_steps))
+        self._hysteresis_tracker.copy_(torch.where(grow, self._hysteresis, hysteresis_left))
+        self._skipped_steps.add_(found.long())
+        self._per_optimizer_states = self._per_optimizer_states.__class__(self._per_optimizer_states.default_factory)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys plus ``hysteresis``, ``min_scale``, ``_hysteresis_tracker``, ``skipped_steps``."""
+        state = super().state_dict()
+        if self._enabled:
+            state.update(hysteresis=self._hysteresis, min_scale=self._min_scale,
+                         _hysteresis_tracker=self._get_hysteresis_tracker(), skipped_steps=self.skipped_steps)
+        return state
+
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of torch.amp.GradScaler (missing keys keep their defaults)."""
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            self._skipped_steps.fill_(self._init_skipped_steps)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_init_skipped_steps"] = self.skipped_steps
+            state["_hysteresis_tracker"] = None
+            state["_skipped_steps"] = None
+        return state
