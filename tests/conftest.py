@@ -1,0 +1,55 @@
+"""Shared fixtures: every semantic test runs once per backend available on the test device.
+
+The test device is the GPU when there is one, else the CPU. On a CPU machine the Triton kernels
+run through the Triton interpreter, which must be switched on before they are imported.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ampfused import _backends  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def available_backends(device=DEVICE):
+    names = []
+    for name in _backends.BACKEND_NAMES:
+        try:
+            _backends.resolve(name, device)
+        except RuntimeError:
+            continue
+        names.append(name)
+    return names
+
+
+BACKENDS = available_backends()
+
+
+def pytest_report_header(config):
+    rows = [f"{n}: {'yes' if ok else 'no'}{' (' + why + ')' if why else ''}" for n, ok, why in _backends.report()]
+    return [f"ampfused test device: {DEVICE}; backends under test: {', '.join(BACKENDS)}"] + rows
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Name of a backend that can serve tensors on DEVICE."""
+    return request.param
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
