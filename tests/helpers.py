@@ -1,0 +1,61 @@
+"""Helpers shared by the semantic tests: tolerances per backend and state comparison."""
+import torch
+
+# The reference backend reproduces torch.optim.AdamW's single-tensor CPU path bit for bit; kernel
+# backends fuse the same math in a different order, so they get fp32-rounding tolerances.
+TOLERANCES = {"reference": dict(rtol=1e-6, atol=1e-7)}
+KERNEL_TOLERANCE = dict(rtol=2e-5, atol=2e-6)
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def tol(backend):
+    return TOLERANCES.get(backend, KERNEL_TOLERANCE)
+
+
+def assert_params_close(expected, actual, backend, msg=""):
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        torch.testing.assert_close(a.detach().float().cpu(), e.detach().float().cpu(), **tol(backend), msg=f"{msg} param {i}")
+
+
+def assert_states_close(expected_opt, expected_params, actual_opt, actual_params, backend, keys=STATE_KEYS):
+    """Params and every AdamW state tensor of two optimizers over the same parameter structure."""
+    assert_params_close(expected_params, actual_params, backend, "params:")
+    for i, (pe, pa) in enumerate(zip(expected_params, actual_params, strict=True)):
+        se, sa = expected_opt.state[pe], actual_opt.state[pa]
+        assert (not se) == (not sa), f"param {i}: state presence differs"
+        for key in keys:
+            assert (key in se) == (key in sa), f"param {i}: key {key!r} present in one state only"
+            if key in se:
+                torch.testing.assert_close(sa[key].float().cpu(), se[key].float().cpu(), **tol(backend), msg=f"param {i} state {key}")
+
+
+def snapshot(opt, params):
+    """Bitwise copies of params, main grads and every state tensor, for skip checks."""
+    snap = {"params": [p.detach().clone() for p in params]}
+    for i, p in enumerate(params):
+        for key, value in opt.state[p].items():
+            snap[(i, key)] = value.clone()
+    return snap
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        xs, ys = (a[key], b[key]) if key == "params" else ([a[key]], [b[key]])
+        for x, y in zip(xs, ys, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8),
+                                                       y.view(torch.uint8) if y.dim() else y.reshape(1).view(torch.uint8)), f"{key} changed"
+
+
+def make_params(shapes, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def clone_params(params, dtype=None):
+    return [p.detach().clone().to(dtype or p.dtype).requires_grad_() for p in params]
+
+
+def random_grads(params, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.shape, generator=g) * scale).to(device=p.device) for p in params]
