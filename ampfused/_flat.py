@@ -29,8 +29,12 @@ class FlatBuffer:
     """One zero-initialised fp32 buffer holding a chunk shaped like each of ``like``."""
 
     def __init__(self, like: Sequence[Tensor], device: torch.device, dtype: torch.dtype = torch.float32):
-        self.offsets, total = aligned_offsets([t.numel() for t in like], torch.empty((), dtype=dtype).element_size())
-        self.data = torch.zeros(total, dtype=dtype, device=device)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        self.offsets, total = aligned_offsets([t.numel() for t in like], element_size)
+        # allocators guarantee less than 128 bytes on some devices (64 on CPU): over-allocate and shift
+        raw = torch.zeros(total + ALIGN_BYTES // element_size, dtype=dtype, device=device)
+        shift = (-raw.data_ptr() % ALIGN_BYTES) // element_size
+        self.data = raw[shift : shift + total]
         self.views = [self.data[o : o + t.numel()].view(t.shape) for o, t in zip(self.offsets, like)]
 
     def __len__(self) -> int:

@@ -290,11 +290,13 @@ class FusedAmpAdamW(Optimizer):
         if not work:
             return loss
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers = ([] for _ in range(8))
-        group_hyper = {}
-        for p, grad, group in work:
+        for p, _, group in work:  # may re-lay out the flat state: finish before taking views
             state = self.state[p]
             if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
                 self._init_state(p, group["amsgrad"])
+        group_hyper = {}
+        for p, grad, group in work:
+            state = self.state[p]
             hyper = group_hyper.get(id(group))
             if hyper is None:
                 beta1, beta2 = group["betas"]
