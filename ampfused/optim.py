@@ -330,6 +330,7 @@ class FusedAmpAdamW(Optimizer):
 
     # ---------------------------------------------------------------- checkpoints
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FusedAmpAdamW or torch.optim.AdamW.
 

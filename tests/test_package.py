@@ -1,0 +1,40 @@
+"""Packaging promises: lazy import, info command, isinstance compatibility."""
+import os
+import subprocess
+import sys
+
+import torch
+
+import ampfused
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__) + "/..",
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_import_probes_nothing_and_compiles_nothing():
+    code = ("import sys, ampfused; from ampfused import _backends; "
+            "assert not _backends._probed, _backends._probed; "
+            "bad = [m for m in ('ampfused._C', 'ampfused.kernels', 'triton') if m in sys.modules]; "
+            "assert not bad, bad; print('lazy')")
+    result = run_python(code)
+    assert result.returncode == 0 and "lazy" in result.stdout, result.stderr
+
+
+def test_info_lists_every_backend_with_a_reason():
+    result = subprocess.run([sys.executable, "-m", "ampfused", "info"], capture_output=True, text=True, timeout=300, cwd="/")
+    assert result.returncode == 0, result.stderr
+    for name in ("cuda", "triton", "cpu", "reference"):
+        assert f"  {name}" in result.stdout
+    assert "auto backend for cpu" in result.stdout
+    for line in result.stdout.splitlines():
+        if "unavailable" in line:
+            assert ": " in line.split("unavailable", 1)[1], f"no reason given: {line}"
+
+
+def test_subclasses_what_trainers_check():
+    p = torch.nn.Parameter(torch.ones(2))
+    assert isinstance(ampfused.FusedAmpAdamW([p]), torch.optim.Optimizer)
+    assert isinstance(ampfused.GradScaler("cpu"), torch.amp.GradScaler)
+    assert ampfused.FusedAmpAdamW._step_supports_amp_scaling
