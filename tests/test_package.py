@@ -38,3 +38,14 @@ def test_subclasses_what_trainers_check():
     assert isinstance(ampfused.FusedAmpAdamW([p]), torch.optim.Optimizer)
     assert isinstance(ampfused.GradScaler("cpu"), torch.amp.GradScaler)
     assert ampfused.FusedAmpAdamW._step_supports_amp_scaling
+
+
+def test_required_backends_are_available():
+    """CI names the backends that must be under test (AMPFUSED_REQUIRE_BACKENDS=reference,triton,cpu),
+    so a build that silently lost one fails instead of quietly testing less."""
+    from conftest import BACKENDS
+
+    required = [b for b in os.environ.get("AMPFUSED_REQUIRE_BACKENDS", "reference").split(",") if b]
+    missing = [b for b in required if b not in BACKENDS]
+    reasons = {name: why for name, _, why in ampfused._backends.report()}
+    assert not missing, {b: reasons.get(b) for b in missing}
