@@ -9,7 +9,7 @@ import ampfused
 
 
 def run_python(code, **env):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(__file__) + "/..",
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                           env={**os.environ, **env}, timeout=300)
 
 
