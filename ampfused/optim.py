@@ -115,8 +115,9 @@ class FusedAmpAdamW(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
+        param_group = {**param_group, "params": params}  # a generator must survive being read twice
         for p in params:
-            self._check_param(p)
+            self._check_param(p[1] if isinstance(p, tuple) else p)  # named_parameters() gives (name, param)
         group_options = {k: v for k, v in param_group.items() if k != "params"}
         merged = {**self.defaults, **group_options}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])

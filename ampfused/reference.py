@@ -44,7 +44,7 @@ def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h
     g = grad.float() * factor
     if h.maximize:
         g = g.neg()
-    lr = h.lr.to(device=param.device, dtype=torch.float64) if isinstance(h.lr, Tensor) else h.lr
+    lr = h.lr.to(device=param.device, dtype=torch.float64, non_blocking=True) if isinstance(h.lr, Tensor) else h.lr
 
     # Same operation order as torch.optim.AdamW; the scalars are computed in float64 from the
     # device step counter, as torch computes them in Python floats from its host counter.

@@ -130,3 +130,12 @@ def test_closure_is_called_with_grad_enabled(backend, device):
 
     loss = opt.step(closure)
     assert loss is not None and opt.state[params[0]]["step"].item() == 1
+
+
+def test_named_parameters_like_torch(backend, device):
+    model = torch.nn.Linear(3, 2).to(device)
+    opt = ampfused.FusedAmpAdamW(model.named_parameters(), backend=backend)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    model(torch.randn(4, 3, device=device)).sum().backward()
+    opt.step()
+    assert ampfused.FusedAmpAdamW(model.parameters()).state_dict()["param_groups"][0]["params"] == [0, 1]
