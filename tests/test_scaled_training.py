@@ -29,7 +29,9 @@ def backward(model, scaler, step, device):
 
 
 def train(mode, backend, device, clip):
-    """mode: stock | ours | ours_unscale | torch_scaler_ours. Returns (model, opt, scales, norms)."""
+    """mode: stock | ours | ours_unscale | torch_scaler_ours | torch_scaler_unscale_ours.
+
+    Returns (model, opt, scales, norms, scaler)."""
     model = make_model(device)
     kw = dict(init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
     if mode == "stock":
@@ -37,7 +39,7 @@ def train(mode, backend, device, clip):
         scaler = torch.amp.GradScaler(device.type, **kw)
     else:
         opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=clip, backend=backend)
-        scaler = (torch.amp.GradScaler if mode == "torch_scaler_ours" else ampfused.GradScaler)(device.type, **kw)
+        scaler = (torch.amp.GradScaler if mode.startswith("torch_scaler") else ampfused.GradScaler)(device.type, **kw)
     scales, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -45,8 +47,8 @@ def train(mode, backend, device, clip):
         if mode == "stock":
             scaler.unscale_(opt)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf))
-        elif mode == "ours_unscale":
-            scaler.unscale_(opt)
+        elif mode in ("ours_unscale", "torch_scaler_unscale_ours"):
+            scaler.unscale_(opt)  # afterwards the scaler hands the optimizer grad_scale=None
         scaler.step(opt)
         scaler.update()
         if mode != "stock":
@@ -56,7 +58,7 @@ def train(mode, backend, device, clip):
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
-@pytest.mark.parametrize("mode", ["ours", "ours_unscale", "torch_scaler_ours"])
+@pytest.mark.parametrize("mode", ["ours", "ours_unscale", "torch_scaler_ours", "torch_scaler_unscale_ours"])
 def test_matches_stock_gradscaler_path(backend, device, mode, clip):
     ref_model, ref_opt, ref_scales, ref_norms, _ = train("stock", backend, device, clip)
     model, opt, scales, norms, scaler = train(mode, backend, device, clip)
