@@ -160,7 +160,7 @@ class FusedAmpAdamW(Optimizer):
 
     def _setup_main_grads(self) -> None:
         """(Re)build the flat fp32 main_grad storage and hook every param that needs it."""
-        wanted = [p for p in self._all_params() if self._uses_main_grad(p)]
+        wanted = [p for p in self._all_params() if self._uses_main_grad(p) and p.requires_grad]  # frozen: no hook
         old = {} if self._main_grad_flat is None else {p: p.main_grad for p in wanted if hasattr(p, "main_grad")}
         hooked = {id(h_p) for h_p, _ in self._hooks}
         self._main_grad_flat = FlatBuffer(wanted, self._device) if wanted else None
@@ -254,7 +254,7 @@ class FusedAmpAdamW(Optimizer):
                     raise RuntimeError(
                         f"a parameter changed from {self._param_dtypes[p]} on {self._device} to {p.dtype} on {p.device} "
                         "after the optimizer was built (e.g. model.half() afterwards): build the optimizer after converting the model")
-                if self._uses_main_grad(p):
+                if self._uses_main_grad(p) and hasattr(p, "main_grad"):
                     if p.grad is not None:
                         self._fold_grad(p)
                     if p in self._has_main_grad:

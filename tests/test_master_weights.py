@@ -129,3 +129,14 @@ def test_add_param_group_after_steps_keeps_state(backend, device):
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     opt.step()
     assert opt.state[a]["step"].item() == 2 and opt.state[b]["step"].item() == 1
+
+
+def test_frozen_low_precision_params_get_no_hook(backend, device):
+    frozen = torch.nn.Parameter(torch.ones(3, device=device, dtype=torch.bfloat16), requires_grad=False)
+    live = torch.nn.Parameter(torch.ones(3, device=device, dtype=torch.bfloat16))
+    opt = ampfused.FusedAmpAdamW([frozen, live], backend=backend)
+    assert not hasattr(frozen, "main_grad") and hasattr(live, "main_grad")
+    (live.float() * 2).sum().backward()
+    opt.step()
+    assert frozen.equal(torch.ones_like(frozen)) and not opt.state[frozen]
+    assert opt.state[live]["step"].item() == 1
