@@ -3,6 +3,7 @@ unscales fp16 and bf16 gradients, and updates the scale on the device with hyste
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -11,6 +12,14 @@ from torch.amp.grad_scaler import OptState
 
 from .optim import FusedAmpAdamW
 from .reference import unscale_and_check_
+
+
+class LossScaleCollapseWarning(RuntimeWarning):
+    """Many consecutive steps were skipped for inf/NaN gradients: training is not progressing."""
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised instead of :class:`LossScaleCollapseWarning` with ``raise_on_collapse=True``."""
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -35,22 +44,41 @@ class GradScaler(torch.amp.GradScaler):
 
       ``hysteresis=1`` and ``min_scale=None`` give exactly torch's scale trajectory. As in Megatron-LM
       and DeepSpeed, the hysteresis budget ``h`` is restored when the scale grows.
+    * loss-scale collapse is never silent: ``update()`` counts consecutive skipped steps on the
+      device, and once ``collapse_threshold`` steps in a row were skipped (typically the scale sits
+      at ``min_scale``, or a NaN loss defeats every scale) it warns with
+      :class:`LossScaleCollapseWarning`, again every ``collapse_threshold`` further skips, or raises
+      :class:`LossScaleCollapseError` with ``raise_on_collapse=True``.
+
+    [note: lazy collapse check] ``update()`` must not synchronize, so on CUDA it copies the counter
+    (and the scale) to pinned host memory without blocking, records an event, and reads the copy at
+    a later ``update()`` once the event has completed: the warning or error comes one or two steps
+    after the threshold is crossed and reports the count it saw. On the CPU the read is free and
+    immediate. Other device types read the counter every ``_SLOW_CHECK_EVERY`` updates (one sync each).
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch's.
         hysteresis (int): overflowing steps tolerated before the scale backs off (default 1).
         min_scale (float, optional): the scale never backs off below this value.
+        collapse_threshold (int, optional): consecutive skipped steps that count as a collapsed
+            loss scale (default 50); ``None`` turns the check off.
+        raise_on_collapse (bool): raise :class:`LossScaleCollapseError` instead of warning.
     """
+
+    _SLOW_CHECK_EVERY = 100
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: float | None = None) -> None:
+                 hysteresis: int = 1, min_scale: float | None = None, collapse_threshold: int | None = 50,
+                 raise_on_collapse: bool = False) -> None:
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
         if min_scale is not None and not (0 < min_scale < math.inf):
             raise ValueError(f"min_scale must be a positive finite float or None, got {min_scale!r}")
         if min_scale is not None and min_scale > init_scale:
             raise ValueError(f"min_scale ({min_scale}) is larger than init_scale ({init_scale})")
+        if collapse_threshold is not None and not (isinstance(collapse_threshold, int) and collapse_threshold >= 1):
+            raise ValueError(f"collapse_threshold must be an int >= 1 or None, got {collapse_threshold!r}")
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._hysteresis = hysteresis
         self._min_scale = min_scale
@@ -58,11 +86,17 @@ class GradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._hysteresis_tracker: Tensor | None = None
         self._skipped_steps: Tensor | None = None
+        self._collapse_threshold = collapse_threshold
+        self._raise_on_collapse = bool(raise_on_collapse)
+        self._init_consecutive_skips = 0
+        self._consecutive_skips: Tensor | None = None
+        self._reset_collapse_watch()
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
         self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._consecutive_skips = torch.full((), self._init_consecutive_skips, dtype=torch.int64, device=dev)
 
     @property
     def skipped_steps(self) -> int:
@@ -73,6 +107,16 @@ class GradScaler(torch.amp.GradScaler):
         if self._skipped_steps is None:
             return self._init_skipped_steps
         return int(self._skipped_steps.item())
+
+    @property
+    def consecutive_skipped_steps(self) -> int:
+        """Number of steps skipped in a row up to the last ``update()`` (0 after a good step).
+
+        .. warning:: Reading it synchronizes the host with the device (like ``get_scale``).
+        """
+        if self._consecutive_skips is None:
+            return self._init_consecutive_skips
+        return int(self._consecutive_skips.item())
 
     # ------------------------------------------------------------------ unscale / step
 
@@ -152,16 +196,71 @@ class GradScaler(torch.amp.GradScaler):
         growth_tracker.copy_(torch.where(grow, 0, good_steps))
         self._hysteresis_tracker.copy_(torch.where(grow, self._hysteresis, hysteresis_left))
         self._skipped_steps.add_(found.long())
+        self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
         self._per_optimizer_states = self._per_optimizer_states.__class__(self._per_optimizer_states.default_factory)
+        self._watch_collapse(scale)
+
+    # ------------------------------------------------------------------ collapse check
+
+    def _reset_collapse_watch(self) -> None:
+        self._watch_host: Tensor | None = None  # [count, scale] on the host (pinned on CUDA)
+        self._watch_event = None  # CUDA event recorded after the copy into _watch_host
+        self._watch_pending = False
+        self._watch_updates = 0
+        self._warned_at = 0
+
+    def _watch_collapse(self, scale: Tensor) -> None:
+        """Look at a host copy of the skip counter without blocking (see [note: lazy collapse check])."""
+        if self._collapse_threshold is None:
+            return
+        self._watch_updates += 1
+        device = scale.device
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return
+            if self._watch_pending and self._watch_event.query():
+                self._watch_pending = False
+                self._check_collapse()
+            if not self._watch_pending:
+                if self._watch_host is None:
+                    self._watch_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+                    self._watch_event = torch.cuda.Event()
+                snapshot = torch.stack([self._consecutive_skips.double(), scale.double()])
+                self._watch_host.copy_(snapshot, non_blocking=True)
+                self._watch_event.record()
+                self._watch_pending = True
+        elif device.type == "cpu" or self._watch_updates % self._SLOW_CHECK_EVERY == 0:
+            self._watch_host = torch.stack([self._consecutive_skips.double(), scale.double()]).cpu()
+            self._check_collapse()
+
+    def _check_collapse(self) -> None:
+        count, scale = int(self._watch_host[0]), float(self._watch_host[1])
+        if count < self._collapse_threshold:
+            self._warned_at = 0
+            return
+        if count - self._warned_at < self._collapse_threshold:
+            return
+        self._warned_at = count
+        floor = "" if self._min_scale is None else f" (min_scale={self._min_scale:g}{', reached' if scale <= self._min_scale else ''})"
+        message = (
+            f"ampfused.GradScaler: the last {count} optimizer steps were all skipped because the gradients "
+            f"held inf/NaN; the loss scale is {scale:g}{floor}. Training is not progressing: look for a NaN/inf "
+            f"in the loss, inputs or weights, lower the learning rate, or lower min_scale.")
+        if self._raise_on_collapse:
+            raise LossScaleCollapseError(message + " (raise_on_collapse=True)")
+        warnings.warn(message + " Pass raise_on_collapse=True to stop with an error instead.",
+                      LossScaleCollapseWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's keys plus ``hysteresis``, ``min_scale``, ``_hysteresis_tracker``, ``skipped_steps``."""
+        """torch's keys plus ``hysteresis``, ``min_scale``, ``_hysteresis_tracker``, ``skipped_steps``,
+        ``consecutive_skipped_steps``."""
         state = super().state_dict()
         if self._enabled:
             state.update(hysteresis=self._hysteresis, min_scale=self._min_scale,
-                         _hysteresis_tracker=self._get_hysteresis_tracker(), skipped_steps=self.skipped_steps)
+                         _hysteresis_tracker=self._get_hysteresis_tracker(), skipped_steps=self.skipped_steps,
+                         consecutive_skipped_steps=self.consecutive_skipped_steps)
         return state
 
     def _get_hysteresis_tracker(self) -> int:
@@ -178,15 +277,21 @@ class GradScaler(torch.amp.GradScaler):
         self._min_scale = state_dict.get("min_scale", self._min_scale)
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
         self._init_skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._init_consecutive_skips = int(state_dict.get("consecutive_skipped_steps", 0))
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
             self._skipped_steps.fill_(self._init_skipped_steps)
+            self._consecutive_skips.fill_(self._init_consecutive_skips)
+        self._reset_collapse_watch()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps
+            state["_init_consecutive_skips"] = self.consecutive_skipped_steps
             state["_hysteresis_tracker"] = None
             state["_skipped_steps"] = None
+            state["_consecutive_skips"] = None
+            state.update(_watch_host=None, _watch_event=None, _watch_pending=False)  # events don't pickle
         return state
