@@ -1,0 +1,10 @@
+"""Triton backend of ampfused (installed as ``ampfused.kernels``; relative imports only).
+
+Three passes, each one launch per device whatever the number of tensors; ``ampfused.reference``
+is their specification. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+from ._runtime import NAME, supports
+from .accumulate import accumulate_
+from .adamw import adamw_update_, grad_stats_
+
+__all__ = ["NAME", "supports", "accumulate_", "grad_stats_", "adamw_update_"]

@@ -1,0 +1,60 @@
+"""Where the Triton kernels can run, and the launch sizes they use there.
+
+[note: interpreter] With ``TRITON_INTERPRET=1`` (set before this module is imported: Triton reads it
+when the kernels are decorated) every kernel runs in Triton's numpy interpreter on CPU tensors.
+That is how CI checks the kernels on machines without a GPU. The interpreter cannot serve CUDA
+tensors for these kernels: it copies the tensors it is *passed* to the host, but the kernels reach
+most tensors through int64 pointer tables, which would then point at device memory.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+NAME = "triton"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+# [note: block sizes] On a GPU a program moves BLOCK elements per loop iteration (4 warps, 8
+# elements a thread: two 16-byte vectors of fp32) and owns one CHUNK of one tensor, so a 1B-param
+# model is ~120k programs and a tensor of 10 elements is one. The interpreter pays per operation,
+# not per element, yet small sizes there make the test tensors cross block and chunk boundaries.
+if INTERPRET:
+    BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 256, 1024, 128, 1024
+else:
+    BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 1024, 8192, 1024, 2048
+NUM_WARPS = 4
+
+_cuda_reason: dict[int, str | None] = {}
+
+
+def supports(device) -> str | None:
+    """None when the Triton kernels can serve tensors on ``device``, else why not."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        if INTERPRET:
+            return None
+        return "Triton runs on CPU tensors only under TRITON_INTERPRET=1 (set before ampfused.kernels is imported)"
+    if device.type != "cuda":
+        return f"the Triton kernels serve CUDA tensors, not {device.type}"
+    if INTERPRET:
+        return "TRITON_INTERPRET=1 is set: the interpreter cannot follow the kernels' device pointer tables; unset it to use the GPU"
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_reason:
+        _cuda_reason[index] = _probe_cuda()
+    return _cuda_reason[index]
+
+
+def _probe_cuda() -> str | None:
+    try:
+        import triton
+
+        target = triton.runtime.driver.active.get_current_target()
+    except Exception as exc:  # no driver, broken install, ...
+        return f"Triton found no usable GPU driver ({type(exc).__name__}: {exc})"
+    if target.backend not in ("cuda", "hip"):
+        return f"Triton targets {target.backend!r}, not a CUDA/HIP GPU"
+    return None

@@ -1,0 +1,56 @@
+"""fp32 gradient accumulation for the post-accumulate-grad hook: ``main_grad += grad``.
+
+[note: accumulation bytes] The hook (``ampfused.optim``) calls this once per param per backward, right
+after autograd has produced the fresh low-precision ``p.grad``, and then frees ``p.grad``. So each
+fp16/bf16 gradient is read exactly once, in every micro-batch including the last:
+2 B (grad) + 4 B (read main_grad) + 4 B (write main_grad) = 10 B per element per micro-batch. The
+step then reads only fp32 ``main_grad`` (4 B in the stats pass, 4 B in the update pass); no
+low-precision gradient is ever re-read, and none outlives its hook call.
+
+Folding the last micro-batch's sum of squares in here would save the stats pass's 4 B/element, but
+the hook cannot know which backward is the last before ``step()``; it would have to publish a
+per-param sum of squares after every micro-batch, and ``grad_stats_`` would have to trust it (stale
+after any write to ``main_grad`` outside the hook). That needs a contract change in the core, so it
+is not done here; one launch per hook call, a pure streaming kernel, is what this file provides.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import _runtime
+from ._memory import bf16_bits_to_f32
+
+
+@triton.jit
+def _accumulate_kernel(main_grad_ptr, grad_ptr, numel, GRAD_IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    grad = tl.load(grad_ptr + offs, mask=mask, other=0)
+    if GRAD_IS_BF16:  # passed as int16 bits: see the bf16 note in _memory.py
+        grad = bf16_bits_to_f32(grad.to(tl.uint16, bitcast=True))
+    else:
+        grad = grad.to(tl.float32)
+    tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs, mask=mask) + grad, mask=mask)
+
+
+def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
+    """``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16 with as many elements), one launch."""
+    if main_grad.dtype != torch.float32 or not main_grad.is_contiguous():
+        raise ValueError("main_grad must be a contiguous fp32 tensor")
+    if grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"grad has dtype {grad.dtype}; accumulate_ takes fp32, fp16 and bf16 grads")
+    if grad.numel() != main_grad.numel() or grad.device != main_grad.device:
+        raise ValueError(f"grad ({grad.numel()} elements on {grad.device}) does not match main_grad "
+                         f"({main_grad.numel()} elements on {main_grad.device})")
+    numel = main_grad.numel()
+    if numel == 0:
+        return
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    is_bf16 = grad.dtype == torch.bfloat16
+    _accumulate_kernel[(triton.cdiv(numel, _runtime.ACCUMULATE_BLOCK),)](
+        main_grad, grad.view(torch.int16) if is_bf16 else grad, numel,
+        GRAD_IS_BF16=is_bf16, BLOCK=_runtime.ACCUMULATE_BLOCK, num_warps=_runtime.NUM_WARPS)
