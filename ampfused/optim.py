@@ -175,10 +175,7 @@ class FusedAmpAdamW(Optimizer):
     def _fold_grad(self, p: Tensor) -> None:
         """Add the fresh low-precision p.grad into p.main_grad and free it."""
         grad = p.grad
-        if grad.is_sparse:
-            raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
-        if grad.shape != p.shape:
-            raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+        _check_grad(p, grad)
         self._get_backend().accumulate_(p.main_grad, grad)
         p.grad = None
         self._has_main_grad.add(p)
@@ -254,6 +251,10 @@ class FusedAmpAdamW(Optimizer):
                     raise RuntimeError(
                         f"a parameter changed from {self._param_dtypes[p]} on {self._device} to {p.dtype} on {p.device} "
                         "after the optimizer was built (e.g. model.half() afterwards): build the optimizer after converting the model")
+                if not p.is_contiguous():
+                    raise RuntimeError(
+                        f"a parameter of shape {tuple(p.shape)} became non-contiguous after the optimizer was built (p.data was "
+                        "replaced by a strided view): FusedAmpAdamW's kernels address params as flat memory; keep params contiguous")
                 if self._uses_main_grad(p) and hasattr(p, "main_grad"):
                     if p.grad is not None:
                         self._fold_grad(p)
@@ -261,10 +262,7 @@ class FusedAmpAdamW(Optimizer):
                         out.append((p, p.main_grad, group))
                 elif p.grad is not None:
                     grad = p.grad
-                    if grad.is_sparse:
-                        raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
-                    if grad.shape != p.shape:
-                        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+                    _check_grad(p, grad)
                     out.append((p, grad if grad.is_contiguous() else grad.contiguous(), group))
         return out
 
@@ -377,6 +375,22 @@ class FusedAmpAdamW(Optimizer):
                     state[name].copy_(values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _check_grad(p: Tensor, grad: Tensor) -> None:
+    """A gradient the kernels can read for ``p``: dense, same shape and device, a supported dtype."""
+    if grad.is_sparse:
+        raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
+    if grad.shape != p.shape:
+        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+    # [note: grad dtype] autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
+    # for bf16 params are fine); the kernels read float32, float16 and bfloat16.
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise RuntimeError(
+            f"gradient of dtype {grad.dtype} for a {p.dtype} parameter: FusedAmpAdamW reads float32, float16 and "
+            "bfloat16 gradients")
+    if grad.device != p.device:
+        raise RuntimeError(f"gradient on {grad.device} for a parameter on {p.device}")
 
 
 def _accumulate_hook(optimizer_ref):

@@ -1,0 +1,255 @@
+"""Bad input table (issue 6.7): each case raises a clear error and leaves params, state, groups
+and gradients exactly as they were. Cases already covered by test_errors.py and
+test_skip_and_state_dict.py (shape-mismatched state dict, SGD state dict, group count, dtype change,
+non-contiguous params at construction, wrong gradient shape, sparse gradients) are not repeated."""
+import copy
+
+import pytest
+import torch
+
+import ampfused
+from helpers import assert_bitwise_equal, make_params, random_grads, snapshot
+
+SHAPES = [(6, 4), (5,)]
+
+
+def trained(backend, device, dtype=torch.float32, steps=2, **kwargs):
+    params = make_params(SHAPES, dtype=dtype, device=device)
+    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend, **kwargs)
+    for step in range(steps):
+        for p, g in zip(params, random_grads(params, step)):
+            p.grad = g.to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def full_snapshot(opt, params):
+    snap = snapshot(opt, params)
+    snap["params"] = [p.detach().contiguous().clone() for p in params]  # bitwise views need unit stride
+    snap["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    snap["group_params"] = [list(map(id, g["params"])) for g in opt.param_groups]
+    return snap
+
+
+def assert_untouched(before, opt, params):
+    after = full_snapshot(opt, params)
+    assert before.pop("groups") == after.pop("groups")
+    assert before.pop("group_params") == after.pop("group_params")
+    assert_bitwise_equal(before, after)
+
+
+# ------------------------------------------------------------------------- state dicts
+
+
+def _mutated_state_dict(opt, how):
+    sd = copy.deepcopy(opt.state_dict())
+    if how == "fewer params in the group":
+        sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
+        sd["state"].pop(1, None)
+    elif how == "state for an unlisted param":
+        sd["state"][7] = copy.deepcopy(sd["state"][0])
+    elif how == "Adagrad state":
+        sd["state"] = {i: {"step": s["step"], "sum": s["exp_avg_sq"]} for i, s in sd["state"].items()}
+    elif how == "transposed moments":
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].t().contiguous()
+    elif how == "master of another shape":
+        sd["state"][1]["master_param"] = torch.zeros(4)
+    return sd
+
+
+@pytest.mark.parametrize("how,match", [
+    ("fewer params in the group", "doesn't match the size"),
+    ("state for an unlisted param", "which no parameter group lists"),
+    ("Adagrad state", "not an AdamW state dict"),
+    ("transposed moments", "another model or optimizer"),
+    ("master of another shape", "another model or optimizer"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_foreign_state_dict_is_refused_and_changes_nothing(backend, device, how, match, dtype):
+    if how == "master of another shape" and dtype == torch.float32:
+        pytest.skip("fp32 params have no master_param")
+    params, opt = trained(backend, device, dtype, amsgrad=True)
+    sd = _mutated_state_dict(opt, how)
+    before = full_snapshot(opt, params)
+    opt.param_groups[0]["lr"] = 0.25  # a live scheduler change must survive the failed load
+    before["groups"][0]["lr"] = 0.25
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_untouched(before, opt, params)
+    for p, g in zip(params, random_grads(params, 50)):  # and the optimizer still trains
+        p.grad = g.to(p.dtype)
+    opt.step()
+    assert opt.state[params[0]]["step"].item() == 3
+
+
+# ------------------------------------------------------------------------- params changed after construction
+
+
+def test_params_converted_after_construction_fp16_to_fp32(backend, device):
+    """The reverse of model.half(): a bf16 model turned float() after the optimizer was built."""
+    model = torch.nn.Linear(4, 3).to(device=device, dtype=torch.bfloat16)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
+    model(torch.randn(2, 4, device=device, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    params = list(opt.param_groups[0]["params"])
+    model.float()
+    before = full_snapshot(opt, params)
+    model(torch.randn(2, 4, device=device)).sum().backward()
+    with pytest.raises(RuntimeError, match="after the optimizer was built"):
+        opt.step()
+    assert_untouched(before, opt, params)
+
+
+def test_param_made_non_contiguous_after_construction(backend, device):
+    params, opt = trained(backend, device)
+    params[0].data = torch.randn(4, 6, device=device).t()  # same shape, strided view
+    before = full_snapshot(opt, params)
+    for p, g in zip(params, random_grads(params, 7)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        opt.step()
+    assert_untouched(before, opt, params)
+
+
+def test_param_repointed_after_construction_is_followed(backend, device):
+    """p.data replaced by new contiguous memory (e.g. a checkpoint load with assign=True): the step
+    must update the new storage, not the old one (pointer tables are rebuilt when a pointer changes)."""
+    params, opt = trained(backend, device)
+    mirror = [p.detach().clone().requires_grad_() for p in params]
+    ref = ampfused.FusedAmpAdamW(mirror, lr=1e-2, backend="reference")
+    ref.load_state_dict(opt.state_dict())
+    old = params[0].data
+    params[0].data = old.clone()
+    for q, p, g in zip(mirror, params, random_grads(params, 9)):
+        p.grad, q.grad = g, g.clone()
+    opt.step()
+    ref.step()
+    assert not torch.equal(params[0].detach(), old), "the step wrote to the old storage"
+    for p, q in zip(params, mirror):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.gpu
+def test_model_moved_to_another_device_after_construction(backend):
+    model = torch.nn.Linear(4, 3)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend)
+    model.cuda()
+    params = list(opt.param_groups[0]["params"])
+    if not all(p.is_cuda for p in params):
+        pytest.skip("this torch swaps Parameters on .cuda(): the optimizer keeps the CPU ones")
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(RuntimeError, match="after the optimizer was built"):
+        opt.step()
+    assert not any(opt.state.values())
+
+
+# ------------------------------------------------------------------------- several devices
+
+
+def test_params_on_several_devices_are_refused_at_construction():
+    cpu, meta = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        ampfused.FusedAmpAdamW([cpu, meta])
+    with pytest.raises(ValueError, match="several devices"):
+        ampfused.FusedAmpAdamW([{"params": [cpu]}, {"params": [meta], "lr": 0.1}])
+
+
+def test_param_group_on_another_device_is_refused_and_changes_nothing(backend, device):
+    params, opt = trained(backend, device)
+    before = full_snapshot(opt, params)
+    with pytest.raises(ValueError, match="several devices"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, device="meta"))], "lr": 0.1})
+    assert_untouched(before, opt, params)
+    for p, g in zip(params, random_grads(params, 3)):
+        p.grad = g
+    opt.step()
+
+
+@pytest.mark.gpu
+def test_params_on_cpu_and_cuda_are_refused():
+    with pytest.raises(ValueError, match="several devices"):
+        ampfused.FusedAmpAdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="cuda"))])
+
+
+# ------------------------------------------------------------------------- gradients
+
+
+def _sneak_grad(p, grad):
+    """Install a gradient autograd would refuse (dtype/device), as buggy user code can via .data."""
+    p.grad = torch.zeros_like(p)
+    p.grad.data = grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_float64_gradient_is_refused_and_changes_nothing(backend, device, dtype, accumulate):
+    if dtype == torch.float32 and not accumulate:
+        pytest.skip("fp32 params never accumulate: one case is enough")
+    params, opt = trained(backend, device, dtype, fp32_grad_accumulation=accumulate)
+    before = full_snapshot(opt, params)
+    main_before = [p.main_grad.clone() for p in params] if accumulate and dtype != torch.float32 else None
+    params[0].grad = random_grads(params, 4)[0].to(dtype)
+    params[1].grad = torch.zeros_like(params[1])
+    params[1].grad.data = torch.ones(params[1].shape, dtype=torch.float64, device=device)
+    with pytest.raises(RuntimeError, match="float64"):
+        opt.step()
+    assert_untouched(before, opt, params)
+    if main_before is not None:
+        assert torch.equal(params[1].main_grad, main_before[1]), "the bad gradient reached main_grad"
+
+
+def test_wrong_gradient_shape_for_an_accumulated_param(backend, device):
+    """The shape check of the main_grad path (test_errors covers the plain p.grad path)."""
+    params, opt = trained(backend, device, torch.bfloat16)
+    before = full_snapshot(opt, params)
+    params[1].grad = torch.zeros_like(params[1])
+    params[1].grad.data = torch.ones(7, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match="shape"):
+        opt.step()
+    assert_untouched(before, opt, params)
+    assert not params[1].main_grad.any()
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_fp32_gradients_for_bf16_params_through_grad_dtype(backend, device, accumulate):
+    """torch lets a bf16 param ask autograd for fp32 grads (p.grad_dtype): a legitimate input."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    runs = []
+    for grad_dtype in (None, torch.float32):
+        params = make_params(SHAPES, dtype=torch.bfloat16, device=device)
+        if grad_dtype is not None:
+            for p in params:
+                p.grad_dtype = grad_dtype
+        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend, fp32_grad_accumulation=accumulate)
+        for step in range(3):
+            for micro in range(2):
+                g = random_grads(params, 10 * step + micro)
+                sum((p.float() * x).sum() for p, x in zip(params, g)).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((params, opt))
+    (ref_params, ref_opt), (params, opt) = runs
+    for p, q in zip(ref_params, params):
+        torch.testing.assert_close(opt.state[q]["master_param"], ref_opt.state[p]["master_param"], rtol=1e-2, atol=1e-2)
+        assert torch.equal(q.detach(), opt.state[q]["master_param"].to(torch.bfloat16))
+
+
+def test_non_contiguous_gradients_are_read_correctly(backend, device):
+    """Strided grads (e.g. from a transposed matmul) give the same step as contiguous copies."""
+    runs = []
+    for strided in (False, True):
+        params = make_params([(6, 4), (3, 5)], dtype=torch.bfloat16, device=device)
+        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend, fp32_grad_accumulation=False)
+        for step in range(3):
+            for p, g in zip(params, random_grads(params, step)):
+                g = g.to(p.dtype)
+                p.grad = g.t().contiguous().t() if strided else g
+                assert p.grad.is_contiguous() != strided
+            opt.step()
+            opt.zero_grad()
+        runs.append(params)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
