@@ -1,0 +1,159 @@
+"""The compiled backends ``"cpu"`` and ``"cuda"``: thin Python over the ops of ``ampfused._C``.
+
+The extension registers ``torch.ops.ampfused.{accumulate, grad_stats, adamw_update}`` with the
+dispatcher (CPU kernels always, CUDA kernels when it was built with them); this module loads it
+lazily, says why when it cannot, and adapts the backend passes of ``ampfused._backends`` to the op
+signatures.
+
+[note: never break import] Nothing here runs at ``import ampfused``: ``_backends`` imports this
+module on first use, and every failure to load the shared object (missing, built against another
+torch, broken) becomes a reason string for ``python -m ampfused info``, never an exception.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+OPS = ("accumulate", "grad_stats", "adamw_update")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLAG_AMSGRAD, FLAG_MAXIMIZE = 1, 2  # as csrc/ops_common.h
+BUILD_HINT = "run `pip install --no-build-isolation .` in an environment with torch to build it"
+
+_loaded: tuple[object | None, str] | None = None
+_fakes_registered = False
+
+
+def load() -> tuple[object | None, str]:
+    """(the ampfused._C module, "") or (None, why it cannot be used). Cached."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> tuple[object | None, str]:
+    try:
+        module = importlib.import_module("ampfused._C")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("ampfused._C", "_C"):
+            return None, f"ampfused._C is not built (pure-Python install): {BUILD_HINT}"
+        return None, f"ampfused._C failed to import: {exc}"
+    except ImportError as exc:  # undefined symbol, wrong ABI, missing libtorch_cuda, ...
+        return None, (f"ampfused._C failed to load ({exc}); it was probably built against another torch than "
+                      f"this {torch.__version__}: rebuild it ({BUILD_HINT})")
+    except Exception as exc:  # a broken build must never break ampfused
+        return None, f"ampfused._C failed to load: {type(exc).__name__}: {exc}"
+    missing = [op for op in OPS if not hasattr(torch.ops.ampfused, op)]
+    if missing:
+        return None, f"ampfused._C loaded but registers no {', '.join(missing)} op (stale build?): {BUILD_HINT}"
+    _register_fakes()
+    return module, ""
+
+
+def _register_fakes() -> None:
+    """Fake (meta) kernels so torch.compile can trace the ops: they only mutate, returning nothing."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+    for op in OPS:
+        try:
+            torch.library.register_fake(f"ampfused::{op}")(_no_output)
+        except RuntimeError:  # already registered (e.g. a second import path): fine
+            pass
+
+
+def _no_output(*args, **kwargs) -> None:
+    return None
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"ampfused::{op}", dispatch_key)
+
+
+def get_backend(device_type: str):
+    """(backend object, "") for "cpu" or "cuda", or (None, why it is unavailable)."""
+    if device_type not in ("cpu", "cuda"):
+        return None, f"ampfused._C has no {device_type} kernels"
+    module, reason = load()
+    if module is None:
+        return None, reason
+    key = device_type.upper()
+    if not all(has_kernel(op, key) for op in OPS):
+        if device_type == "cuda":
+            why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else
+                   "no matching nvcc was found at build time, or AMPFUSED_BUILD_CUDA=0")
+            return None, (f"ampfused._C was built without CUDA kernels ({why}); rebuild with "
+                          "`AMPFUSED_BUILD_CUDA=1 pip install --no-build-isolation .` to see why")
+        return None, f"ampfused._C has no CPU kernels (broken build): {BUILD_HINT}"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return None, "no CUDA device"
+    return CompiledBackend(device_type, module), ""
+
+
+def _as_kernel_input(t: Tensor) -> Tensor:
+    if t.dtype not in KERNEL_DTYPES:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class CompiledBackend:
+    """The three passes of ``_backends`` over ``torch.ops.ampfused`` for one device type."""
+
+    def __init__(self, name: str, module):
+        self.NAME = name
+        self.module = module
+        self.cpu_isa = getattr(module, "CPU_ISA", "?")
+
+    def __repr__(self) -> str:
+        return f"<ampfused compiled backend {self.NAME!r} (ampfused._C, CPU ISA {self.cpu_isa})>"
+
+    def supports(self, device: torch.device) -> str | None:
+        if device.type != self.NAME:
+            return f"the {self.NAME} kernels of ampfused._C do not serve {device.type} tensors"
+        return None
+
+    def accumulate_(self, main_grad: Tensor, grad: Tensor) -> None:
+        if main_grad.dtype != torch.float32 or not main_grad.is_contiguous() or grad.device != main_grad.device:
+            main_grad.add_(grad)  # not a layout the kernel takes: the reference way
+            return
+        torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad).view(main_grad.shape))
+
+    def grad_stats_(self, grads: Sequence[Tensor], inv_scale: Tensor | None, sumsq: Tensor) -> None:
+        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], inv_scale, sumsq)
+
+    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
+                      factor: Tensor, skip: Tensor) -> None:
+        # Tensors share a group when their hyperparameters are equal (a tensor lr by identity), so
+        # the kernels see a handful of groups whether the caller built one Hyper per group or per tensor.
+        index: dict[tuple, int] = {}
+        groups: list[int] = []
+        lrs: list[float] = []
+        lr_tensors: list[Tensor | None] = []
+        beta1s: list[float] = []
+        beta2s: list[float] = []
+        epss: list[float] = []
+        wds: list[float] = []
+        flags: list[int] = []
+        for h in hypers:
+            lr_is_tensor = isinstance(h.lr, Tensor)
+            key = (id(h.lr) if lr_is_tensor else float(h.lr), lr_is_tensor, h.beta1, h.beta2, h.eps, h.weight_decay,
+                   bool(h.amsgrad), bool(h.maximize))
+            g = index.get(key)
+            if g is None:
+                g = index[key] = len(lrs)
+                lrs.append(0.0 if lr_is_tensor else float(h.lr))
+                lr_tensors.append(h.lr.detach() if lr_is_tensor else None)
+                beta1s.append(float(h.beta1))
+                beta2s.append(float(h.beta2))
+                epss.append(float(h.eps))
+                wds.append(float(h.weight_decay))
+                flags.append((FLAG_AMSGRAD if h.amsgrad else 0) | (FLAG_MAXIMIZE if h.maximize else 0))
+            groups.append(g)
+        torch.ops.ampfused.adamw_update(
+            list(params), [_as_kernel_input(g) for g in grads], list(exp_avgs), list(exp_avg_sqs),
+            list(max_exp_avg_sqs), list(steps), list(masters), groups, lrs, lr_tensors, beta1s, beta2s, epss, wds,
+            flags, factor, skip)

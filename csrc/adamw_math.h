@@ -1,0 +1,98 @@
+// The element-wise math of one AdamW step, shared by the CPU and the CUDA kernels.
+//
+// [note: one routine] Both builds compile this header: nvcc sees __host__ __device__ functions, the
+// host compiler sees plain inline C++ (AMPFUSED_HD expands to `inline`). The kernels differ only
+// in how they walk memory; what happens to one element is written here once.
+//
+// [note: operation order] The order of operations is the one of torch.optim.AdamW's single-tensor
+// path as ampfused/reference.py spells it, so that the CPU kernels reproduce the reference bitwise:
+//   w  = w * (1 - lr*wd)
+//   m  = lerp(m, g, 1 - beta1)              ATen's vectorized lerp: fma(coeff, g - m, base)
+//   v  = fma((1 - beta2) * g, g, v * beta2)  ATen's addcmul as its kernels are compiled (contracted)
+//   vh = amsgrad ? max(vmax, v) : v
+//   w  = w + (m * -step_size) / (sqrt(vh) / sqrt(bias_correction2) + eps)
+// Scalars are computed in double (as Python floats are) and rounded to float once. The CPU files are
+// compiled with -ffp-contract=off and the device code uses __fmul_rn/__fadd_rn, so no compiler
+// fuses a multiply-add that torch does not fuse; the two fmas torch does take are explicit.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define AMPFUSED_HD __host__ __device__ __forceinline__
+#else
+#define AMPFUSED_HD inline __attribute__((always_inline))
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define AMPFUSED_MUL(a, b) __fmul_rn((a), (b))
+#define AMPFUSED_ADD(a, b) __fadd_rn((a), (b))
+#define AMPFUSED_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#else
+#define AMPFUSED_MUL(a, b) ((a) * (b))
+#define AMPFUSED_ADD(a, b) ((a) + (b))
+#if defined(__FMA__) || defined(__aarch64__) || defined(AMPFUSED_HAVE_FMA)
+// ATen's Vectorized<float>::fmadd is a hardware fma wherever the ISA has one ... (AMPFUSED_HAVE_FMA:
+// set by the per-ISA CPU files, since g++ does not update __FMA__ after `#pragma GCC target`)
+#define AMPFUSED_FMA(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+// ... and a*b + c (two roundings) in its baseline build: never a libm call in a hot loop.
+#define AMPFUSED_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+#endif
+
+namespace ampfused {
+
+// Per-tensor scalars of one step, rounded to float exactly where torch rounds them.
+struct AdamWScalars {
+  float decay;          // 1 - lr * weight_decay
+  float lerp_coeff;     // 1 - beta1 when it is < 0.5 (lerp from m), else (1 - beta1) - 1 (lerp from g)
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;       // sqrt(1 - beta2^t)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^t)
+  int lerp_from_m;      // which lerp form ATen takes (|weight| < 0.5)
+};
+
+// t is the new step count (old step + 1), as the float the step tensor will hold.
+AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, float t) {
+  AdamWScalars s;
+  const double bias_correction1 = 1.0 - pow(beta1, static_cast<double>(t));
+  const double bias_correction2 = 1.0 - pow(beta2, static_cast<double>(t));
+  const float weight = static_cast<float>(1.0 - beta1);
+  s.decay = static_cast<float>(1.0 - lr * weight_decay);
+  s.lerp_from_m = fabsf(weight) < 0.5f;
+  s.lerp_coeff = s.lerp_from_m ? weight : weight - 1.0f;
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.bc2_sqrt = static_cast<float>(sqrt(bias_correction2));
+  s.eps = static_cast<float>(eps);
+  s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+  return s;
+}
+
+// One element: w (fp32 weight or master), g (unscaled, clipped, maximize-negated grad), moments.
+template <bool AMSGRAD>
+AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vmax, const AdamWScalars& s) {
+  w = AMPFUSED_MUL(w, s.decay);
+  const float base = s.lerp_from_m ? m : g;
+  m = AMPFUSED_FMA(s.lerp_coeff, AMPFUSED_ADD(g, -m), base);
+  v = AMPFUSED_FMA(AMPFUSED_MUL(s.one_minus_beta2, g), g, AMPFUSED_MUL(v, s.beta2));
+  float vh = v;
+  if (AMSGRAD) {
+    // torch.maximum: NaN wins
+    vmax = (vmax < v || v != v) ? v : vmax;
+    vh = vmax;
+  }
+#if defined(__CUDA_ARCH__)
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vh), s.bc2_sqrt), s.eps);
+  w = __fadd_rn(w, __fdiv_rn(__fmul_rn(m, s.neg_step_size), denom));
+#else
+  const float denom = std::sqrt(vh) / s.bc2_sqrt + s.eps;
+  w = w + (m * s.neg_step_size) / denom;
+#endif
+}
+
+}  // namespace ampfused

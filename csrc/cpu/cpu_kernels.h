@@ -1,0 +1,51 @@
+// Interface between the CPU op implementations (ops_cpu.cpp, baseline ISA, ATen threading) and
+// the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, _avx2.cpp, _avx512.cpp).
+//
+// [note: per-ISA builds] The hot loops are plain C++ loops that the compiler auto-vectorizes
+// (-O3 -fno-math-errno, `#pragma GCC target` per file). The library itself is built for baseline
+// x86-64 and picks the widest variant the CPU supports at run time, so it never dies with an
+// illegal instruction on an older machine. ATEN_CPU_CAPABILITY (default|avx2|avx512) caps the
+// choice, as it caps ATen's own kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace ampfused {
+struct AdamWScalars;
+namespace cpu {
+
+// One contiguous element range [begin, end) of one tensor for the update pass.
+struct UpdateRange {
+  void* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // nullptr: no AMSGrad
+  float* master;          // nullptr: the param is its own master
+  int32_t param_dtype;
+  int32_t grad_dtype;
+  const AdamWScalars* scalars;
+  float factor;           // clip coefficient / loss scale, negated for maximize
+  int64_t begin;
+  int64_t end;
+};
+
+struct IsaKernels {
+  const char* name;
+  // dst[i] += float(src[i]) for i < n
+  void (*accumulate)(float* dst, const void* src, int32_t src_dtype, int64_t n);
+  // sum over i < n of (float(g[i]) * inv_scale)^2, accumulated in float blocks, returned as double
+  double (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
+  void (*update)(const UpdateRange& range);
+};
+
+// nullptr where the variant was not compiled in (non-x86 or non-GCC-compatible compiler)
+const IsaKernels* kernels_base();
+const IsaKernels* kernels_avx2();
+const IsaKernels* kernels_avx512();
+
+// The variant used in this process (chosen once).
+const IsaKernels& kernels();
+
+}  // namespace cpu
+}  // namespace ampfused

@@ -1,0 +1,123 @@
+// The CPU hot loops. Included by exactly one file per ISA, after that file set the target and
+// AMPFUSED_ISA; everything here lands in namespace ampfused::cpu::AMPFUSED_ISA so variants
+// compiled for different ISAs never share a symbol.
+//
+// [note: auto-vectorization] Each loop body is branch-free per element (selects only), reads and
+// writes through __restrict pointers, and keeps its dtype/master/amsgrad decisions as template
+// parameters, so GCC/Clang vectorize it at -O3. sqrt vectorizes only with -fno-math-errno, which
+// build_extension.py passes. Reductions keep 16 float lanes by hand: the compiler may not reorder
+// a float sum itself.
+#ifndef AMPFUSED_ISA
+#error "define AMPFUSED_ISA before including kernels_impl.h"
+#endif
+
+#include "../adamw_math.h"
+#include "../dtypes.h"
+#include "cpu_kernels.h"
+
+namespace ampfused {
+namespace cpu {
+namespace AMPFUSED_ISA {
+
+template <typename G>
+void accumulate_t(float* __restrict dst, const G* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] + to_float(src[i]);
+}
+
+void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
+  switch (src_dtype) {
+    case kF32: return accumulate_t(dst, static_cast<const float*>(src), n);
+    case kF16: return accumulate_t(dst, static_cast<const Half*>(src), n);
+    default: return accumulate_t(dst, static_cast<const BFloat16*>(src), n);
+  }
+}
+
+template <typename G>
+double sumsq_t(const G* __restrict g, int64_t n, float inv) {
+  constexpr int kLanes = 16;
+  constexpr int64_t kBlock = 2048;  // float partials stay short; blocks are summed in double
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    float acc[kLanes] = {};
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float u = to_float(g[i + j + k]) * inv;
+        acc[k] += u * u;
+      }
+    }
+    float block = 0.f;
+    for (int k = 0; k < kLanes; ++k) block += acc[k];
+    total += block;
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) {
+    const float u = to_float(g[i]) * inv;
+    tail += u * u;
+  }
+  return total + tail;
+}
+
+double sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
+  switch (dtype) {
+    case kF32: return sumsq_t(static_cast<const float*>(grad), n, inv_scale);
+    case kF16: return sumsq_t(static_cast<const Half*>(grad), n, inv_scale);
+    default: return sumsq_t(static_cast<const BFloat16*>(grad), n, inv_scale);
+  }
+}
+
+template <typename P, typename G, bool MASTER, bool AMSGRAD>
+void update_t(const UpdateRange& r) {
+  const int64_t n = r.end - r.begin;
+  P* __restrict p = static_cast<P*>(r.param) + r.begin;
+  const G* __restrict g = static_cast<const G*>(r.grad) + r.begin;
+  float* __restrict m = r.exp_avg + r.begin;
+  float* __restrict v = r.exp_avg_sq + r.begin;
+  float* __restrict vmax = AMSGRAD ? r.max_exp_avg_sq + r.begin : nullptr;
+  float* __restrict master = MASTER ? r.master + r.begin : nullptr;
+  const AdamWScalars s = *r.scalars;
+  const float factor = r.factor;
+  for (int64_t i = 0; i < n; ++i) {
+    float w = MASTER ? master[i] : to_float(p[i]);
+    float mi = m[i];
+    float vi = v[i];
+    float vmaxi = AMSGRAD ? vmax[i] : 0.f;
+    adamw_element<AMSGRAD>(w, to_float(g[i]) * factor, mi, vi, vmaxi, s);
+    m[i] = mi;
+    v[i] = vi;
+    if (AMSGRAD) vmax[i] = vmaxi;
+    if (MASTER) master[i] = w;
+    p[i] = from_float<P>(w);
+  }
+}
+
+template <typename P, typename G>
+void update_pg(const UpdateRange& r) {
+  const bool master = r.master != nullptr, ams = r.max_exp_avg_sq != nullptr;
+  if (master) {
+    ams ? update_t<P, G, true, true>(r) : update_t<P, G, true, false>(r);
+  } else {
+    ams ? update_t<P, G, false, true>(r) : update_t<P, G, false, false>(r);
+  }
+}
+
+template <typename P>
+void update_p(const UpdateRange& r) {
+  switch (r.grad_dtype) {
+    case kF32: return update_pg<P, float>(r);
+    case kF16: return update_pg<P, Half>(r);
+    default: return update_pg<P, BFloat16>(r);
+  }
+}
+
+void update(const UpdateRange& r) {
+  switch (r.param_dtype) {
+    case kF32: return update_p<float>(r);
+    case kF16: return update_p<Half>(r);
+    default: return update_p<BFloat16>(r);
+  }
+}
+
+}  // namespace AMPFUSED_ISA
+}  // namespace cpu
+}  // namespace ampfused

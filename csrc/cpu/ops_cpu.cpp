@@ -1,0 +1,143 @@
+// CPU implementations of the ampfused ops: argument checks, work split, at::parallel_for, and
+// the choice of the ISA variant of the hot loops (cpu_kernels.h).
+//
+// [note: deterministic stats] The stats pass cuts the gradients into fixed ranges, sums each
+// range into its own double slot and adds the slots in order, so the result does not depend on the
+// number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "../adamw_math.h"
+#include "../ops_common.h"
+#include "cpu_kernels.h"
+
+namespace ampfused {
+namespace cpu {
+
+namespace {
+
+constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
+
+bool isa_allowed(const char* isa) {
+  // ATEN_CPU_CAPABILITY caps ATen's kernels; it caps ours the same way.
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap == nullptr || *cap == '\0') return true;
+  const std::string c(cap);
+  if (std::strcmp(isa, "avx512") == 0) return c == "avx512";
+  if (std::strcmp(isa, "avx2") == 0) return c == "avx512" || c == "avx2";
+  return true;
+}
+
+const IsaKernels* choose() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512 && kernels_avx512() != nullptr && isa_allowed("avx512")) return kernels_avx512();
+  if (avx2 && kernels_avx2() != nullptr && isa_allowed("avx2")) return kernels_avx2();
+#endif
+  return kernels_base();
+}
+
+int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
+
+void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
+  check_accumulate(main_grad, grad);
+  TORCH_CHECK(main_grad.device().is_cpu(), "ampfused::accumulate (CPU) got tensors on ", main_grad.device());
+  const int32_t dtype = dtype_code(grad, "grad");
+  float* dst = main_grad.data_ptr<float>();
+  const char* src = static_cast<const char*>(grad.data_ptr());
+  const IsaKernels& k = kernels();
+  at::parallel_for(0, main_grad.numel(), kRange, [&](int64_t begin, int64_t end) {
+    k.accumulate(dst + begin, src + begin * element_size(dtype), dtype, end - begin);
+  });
+}
+
+void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
+  check_stats(grads, inv_scale, sumsq);
+  TORCH_CHECK(sumsq.device().is_cpu(), "ampfused::grad_stats (CPU) got sumsq on ", sumsq.device());
+  const float inv = inv_scale.has_value() ? *inv_scale->data_ptr<float>() : 1.0f;
+  struct Range {
+    const char* data;
+    int32_t dtype;
+    int64_t n;
+  };
+  std::vector<Range> ranges;
+  for (const at::Tensor& g : grads) {
+    const int32_t dtype = dtype_code(g, "grads");
+    const char* base = static_cast<const char*>(g.data_ptr());
+    for (int64_t b = 0; b < g.numel(); b += kRange) {
+      ranges.push_back(Range{base + b * element_size(dtype), dtype, std::min(kRange, g.numel() - b)});
+    }
+  }
+  std::vector<double> partial(ranges.size(), 0.0);
+  const IsaKernels& k = kernels();
+  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
+  });
+  double total = 0.0;
+  for (double x : partial) total += x;
+  float* out = sumsq.data_ptr<float>();
+  *out = *out + static_cast<float>(total);
+}
+
+void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
+                      const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups,
+                      at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
+                      at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
+                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
+                      const at::Tensor& skip) {
+  UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
+                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, factor, skip);
+  if (args.tensors.empty()) return;
+  TORCH_CHECK(params[0].device().is_cpu(), "ampfused::adamw_update (CPU) got tensors on ", params[0].device());
+  if (*skip.data_ptr<float>() != 0.0f) return;  // a skipped step writes nothing at all
+  const float base_factor = *factor.data_ptr<float>();
+  std::vector<double> lr(args.groups.size());
+  for (size_t j = 0; j < args.groups.size(); ++j) {
+    const UpdateGroup& g = args.groups[j];
+    lr[j] = g.lr_tensor.has_value() ? g.lr_tensor->item<double>() : g.lr;
+  }
+  std::vector<AdamWScalars> scalars(args.tensors.size());
+  std::vector<UpdateRange> ranges;
+  for (size_t i = 0; i < args.tensors.size(); ++i) {
+    const UpdateTensor& t = args.tensors[i];
+    const UpdateGroup& g = args.groups[t.group];
+    scalars[i] = adamw_scalars(lr[t.group], g.beta1, g.beta2, g.eps, g.weight_decay, *t.step + 1.0f);
+    // -(g * f) == g * (-f) exactly: maximize folds into the factor
+    const float f = g.maximize ? -base_factor : base_factor;
+    for (int64_t b = 0; b < t.numel; b += kRange) {
+      ranges.push_back(UpdateRange{t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.master, t.param_dtype,
+                                   t.grad_dtype, &scalars[i], f, b, std::min(t.numel, b + kRange)});
+    }
+  }
+  const IsaKernels& k = kernels();
+  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) k.update(ranges[r]);
+  });
+  for (const UpdateTensor& t : args.tensors) *t.step = *t.step + 1.0f;
+}
+
+}  // namespace
+
+const IsaKernels& kernels() {
+  static const IsaKernels* chosen = choose();
+  return *chosen;
+}
+
+}  // namespace cpu
+}  // namespace ampfused
+
+TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
+  m.impl("accumulate", &ampfused::cpu::accumulate_cpu);
+  m.impl("grad_stats", &ampfused::cpu::grad_stats_cpu);
+  m.impl("adamw_update", &ampfused::cpu::adamw_update_cpu);
+}

@@ -1,0 +1,117 @@
+// Element types the kernels read and write, and their float conversions (host and device).
+//
+// [note: raw 16-bit storage] fp16/bf16 values travel as uint16_t bit patterns so that this header
+// needs neither ATen nor cuda_fp16.h on the host side; the conversions round to nearest even, as
+// Tensor.to() does. On the host, fp16 goes through the compiler's _Float16 where it exists (F16C
+// instructions, vectorizable), else through c10-free bit manipulation.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+#include "adamw_math.h"
+
+namespace ampfused {
+
+enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+struct Half { uint16_t x; };
+struct BFloat16 { uint16_t x; };
+
+template <typename T> struct DTypeOf;
+template <> struct DTypeOf<float> { static constexpr DType value = kF32; };
+template <> struct DTypeOf<Half> { static constexpr DType value = kF16; };
+template <> struct DTypeOf<BFloat16> { static constexpr DType value = kBF16; };
+
+AMPFUSED_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+AMPFUSED_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+AMPFUSED_HD float to_float(float x) { return x; }
+AMPFUSED_HD float to_float(BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
+
+AMPFUSED_HD float to_float(Half x) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(x.x));
+#elif defined(__FLT16_MAX__) && !defined(__CUDACC__)
+  _Float16 h;
+  std::memcpy(&h, &x.x, 2);
+  return static_cast<float>(h);
+#else
+  // IEEE half -> float by exponent rebias (handles subnormals via a float multiply).
+  const uint32_t sign = static_cast<uint32_t>(x.x & 0x8000u) << 16;
+  const uint32_t rest = x.x & 0x7fffu;
+  float mag;
+  if (rest >= 0x7c00u) {
+    mag = bits_to_float(0x7f800000u | (rest & 0x3ffu) << 13);  // inf / nan
+  } else {
+    mag = bits_to_float(rest << 13) * 5.192296858534828e+33f;  // 2^112 rebias
+  }
+  return bits_to_float(sign | float_to_bits(mag));
+#endif
+}
+
+template <typename T> AMPFUSED_HD T from_float(float f);
+
+template <> AMPFUSED_HD float from_float<float>(float f) { return f; }
+
+template <> AMPFUSED_HD BFloat16 from_float<BFloat16>(float f) {
+  const uint32_t u = float_to_bits(f);
+  BFloat16 out;
+  if (f != f) {
+    out.x = 0x7fc0u;  // canonical NaN, as c10::BFloat16
+  } else {
+    out.x = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return out;
+}
+
+template <> AMPFUSED_HD Half from_float<Half>(float f) {
+  Half out;
+#if defined(__CUDA_ARCH__)
+  out.x = __half_as_ushort(__float2half_rn(f));
+#elif defined(__FLT16_MAX__) && !defined(__CUDACC__)
+  const _Float16 h = static_cast<_Float16>(f);
+  std::memcpy(&out.x, &h, 2);
+#else
+  // float -> half, round to nearest even (the classic fp16_ieee_from_fp32_value).
+  const float scale_to_inf = 5.192296858534828e+33f;   // 2^112
+  const float scale_to_zero = 7.703719777548943e-34f;  // 2^-110
+  float base = (f < 0 ? -f : f) * scale_to_inf * scale_to_zero;
+  const uint32_t w = float_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
+  const uint32_t mantissa_bits = bits & 0x00000fffu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  out.x = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+#endif
+  return out;
+}
+
+}  // namespace ampfused

@@ -1,0 +1,37 @@
+// Op schemas of ampfused._C and the Python module that loads them.
+//
+// [note: ops, not pybind] The kernels are reached through torch.ops.ampfused.* (the dispatcher), so
+// they work under torch.compile and with torch.library.opcheck; the Python module itself is empty
+// and exists only so that `import ampfused._C` loads this library and runs its registrations. It
+// uses no pybind11 and no torch/extension.h.
+#include <Python.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include "cpu/cpu_kernels.h"
+
+TORCH_LIBRARY(ampfused, m) {
+  m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
+  m.def("grad_stats(Tensor[] grads, Tensor? inv_scale, Tensor(a!) sumsq) -> ()");
+  m.def(
+      "adamw_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)?[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)?[] masters, int[] groups, float[] lrs, "
+      "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
+      "Tensor factor, Tensor skip) -> ()");
+}
+
+static struct PyModuleDef ampfused_c_module = {PyModuleDef_HEAD_INIT, "_C",
+                                               "ampfused compiled kernels (ops in torch.ops.ampfused)", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* module = PyModule_Create(&ampfused_c_module);
+  if (module == nullptr) return nullptr;
+#ifdef AMPFUSED_WITH_CUDA
+  PyModule_AddIntConstant(module, "WITH_CUDA", 1);
+#else
+  PyModule_AddIntConstant(module, "WITH_CUDA", 0);
+#endif
+  PyModule_AddStringConstant(module, "TORCH_VERSION", TORCH_VERSION);  // the torch this was built against
+  PyModule_AddStringConstant(module, "CPU_ISA", ampfused::cpu::kernels().name);
+  return module;
+}

@@ -1,0 +1,127 @@
+#include "ops_common.h"
+
+#include <c10/util/Exception.h>
+
+namespace ampfused {
+
+int32_t dtype_code(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
+    default: TORCH_CHECK(false, "ampfused: ", what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+namespace {
+
+void check_like(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
+  TORCH_CHECK(t.defined(), "ampfused: ", what, "[", i, "] is undefined");
+  TORCH_CHECK(t.device() == param.device(), "ampfused: ", what, "[", i, "] is on ", t.device(), " but params[", i, "] is on ", param.device());
+  TORCH_CHECK(t.numel() == param.numel(), "ampfused: ", what, "[", i, "] has ", t.numel(), " elements but params[", i, "] has ", param.numel());
+  TORCH_CHECK(t.is_contiguous(), "ampfused: ", what, "[", i, "] must be contiguous");
+}
+
+void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
+  check_like(t, param, what, i);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfused: ", what, "[", i, "] must be float32, got ", t.scalar_type());
+}
+
+void check_scalar(const at::Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, "ampfused: ", what, " must be a one-element float32 tensor");
+  TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the tensors are on ", device);
+}
+
+}  // namespace
+
+UpdateArgs collect_update(
+    at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+    const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
+    const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
+    const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
+    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
+    const at::Tensor& skip) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
+                  steps.size() == n && masters.size() == n && groups.size() == n,
+              "ampfused::adamw_update: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters and groups "
+              "must have equal lengths");
+  const size_t g = lrs.size();
+  TORCH_CHECK(lr_tensors.size() == g && beta1s.size() == g && beta2s.size() == g && epss.size() == g &&
+                  weight_decays.size() == g && flags.size() == g,
+              "ampfused::adamw_update: the per-group lists (lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags) "
+              "must have equal lengths");
+  UpdateArgs out;
+  out.groups.reserve(g);
+  for (size_t j = 0; j < g; ++j) {
+    std::optional<at::Tensor> lr_t = lr_tensors.get(j);
+    if (lr_t.has_value()) {
+      TORCH_CHECK(lr_t->numel() == 1, "ampfused: a tensor lr must have one element");
+      TORCH_CHECK(lr_t->is_floating_point(), "ampfused: a tensor lr must be floating point");
+    }
+    out.groups.push_back(UpdateGroup{lrs[j], lr_t, beta1s[j], beta2s[j], epss[j], weight_decays[j],
+                                     (flags[j] & kFlagAmsgrad) != 0, (flags[j] & kFlagMaximize) != 0});
+  }
+  if (n == 0) return out;
+  const at::Device device = params[0].device();
+  check_scalar(factor, device, "factor");
+  check_scalar(skip, device, "skip");
+  out.tensors.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.defined() && p.device() == device, "ampfused: params[", i, "] is on ", p.device(), ", params[0] on ", device);
+    TORCH_CHECK(p.is_contiguous(), "ampfused: params[", i, "] must be contiguous");
+    TORCH_CHECK(groups[i] >= 0 && static_cast<size_t>(groups[i]) < g, "ampfused: groups[", i, "] = ", groups[i], " is not a group index");
+    const UpdateGroup& group = out.groups[groups[i]];
+    check_like(grads[i], p, "grads", i);
+    check_fp32_like(exp_avgs[i], p, "exp_avgs", i);
+    check_fp32_like(exp_avg_sqs[i], p, "exp_avg_sqs", i);
+    UpdateTensor t{};
+    t.param = p.data_ptr();
+    t.grad = grads[i].data_ptr();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    if (group.amsgrad) {
+      std::optional<at::Tensor> vmax = max_exp_avg_sqs.get(i);
+      TORCH_CHECK(vmax.has_value(), "ampfused: max_exp_avg_sqs[", i, "] is None but its group uses amsgrad");
+      check_fp32_like(*vmax, p, "max_exp_avg_sqs", i);
+      t.max_exp_avg_sq = vmax->data_ptr<float>();
+    }
+    std::optional<at::Tensor> master = masters.get(i);
+    if (master.has_value()) {
+      check_fp32_like(*master, p, "masters", i);
+      t.master = master->data_ptr<float>();
+    }
+    const at::Tensor& step = steps[i];
+    TORCH_CHECK(step.defined() && step.numel() == 1 && step.scalar_type() == at::kFloat && step.device() == device,
+                "ampfused: steps[", i, "] must be a one-element float32 tensor on ", device);
+    t.step = step.data_ptr<float>();
+    t.numel = p.numel();
+    t.param_dtype = dtype_code(p, "params");
+    t.grad_dtype = dtype_code(grads[i], "grads");
+    t.group = static_cast<int32_t>(groups[i]);
+    out.tensors.push_back(t);
+  }
+  return out;
+}
+
+void check_stats(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
+  TORCH_CHECK(sumsq.numel() == 1 && sumsq.scalar_type() == at::kFloat, "ampfused: sumsq must be a one-element float32 tensor");
+  const at::Device device = sumsq.device();
+  if (inv_scale.has_value()) check_scalar(*inv_scale, device, "inv_scale");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    TORCH_CHECK(grads[i].device() == device, "ampfused: grads[", i, "] is on ", grads[i].device(), " but sumsq on ", device);
+    TORCH_CHECK(grads[i].is_contiguous(), "ampfused: grads[", i, "] must be contiguous");
+    dtype_code(grads[i], "grads");
+  }
+}
+
+void check_accumulate(const at::Tensor& main_grad, const at::Tensor& grad) {
+  TORCH_CHECK(main_grad.scalar_type() == at::kFloat, "ampfused: main_grad must be float32, got ", main_grad.scalar_type());
+  TORCH_CHECK(main_grad.is_contiguous() && grad.is_contiguous(), "ampfused: main_grad and grad must be contiguous");
+  TORCH_CHECK(main_grad.numel() == grad.numel(), "ampfused: main_grad has ", main_grad.numel(), " elements, grad ", grad.numel());
+  TORCH_CHECK(main_grad.device() == grad.device(), "ampfused: main_grad is on ", main_grad.device(), ", grad on ", grad.device());
+  dtype_code(grad, "grad");
+}
+
+}  // namespace ampfused
