@@ -1,0 +1,223 @@
+"""The implementations being compared, each wrapping one training-step tail behind ``step()``.
+
+What one ``step()`` does -- everything between the end of the last ``backward()`` of an optimizer
+step and the next forward, plus folding each micro-batch's gradient for low-precision params:
+
+* ``torch-foreach`` / ``torch-fused`` -- ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``
+  driven by ``torch.amp.GradScaler``:
+
+  - fp32 params: ``scaler.unscale_(opt)``; ``clip_grad_norm_(params)``; ``scaler.step(opt)``;
+    ``scaler.update()``.
+  - bf16/fp16 params: [note: fair stock baseline] torch has no master weights, so the baseline is
+    the hand-written recipe: the optimizer runs on fp32 master copies; each micro-batch's
+    low-precision grads are cast into the masters' fp32 ``.grad`` (``_foreach_copy_`` for the first
+    micro-batch, so no zeroing pass is needed, ``_foreach_add_`` after); then unscale_/clip/step/
+    update on the masters and ``_foreach_copy_(params, masters)`` writes the low-precision params.
+
+* ``ampfused-<backend>`` -- ``FusedAmpAdamW(max_grad_norm=...)`` + ``ampfused.GradScaler``: for each
+  micro-batch, ``p.grad = g`` and the param's post-accumulate-grad hooks run (exactly the code
+  autograd runs at the end of ``backward()``: fold into ``p.main_grad``); then ``scaler.step(opt)``;
+  ``scaler.update()``; ``opt.zero_grad()`` (zeroes ``main_grad`` for the next accumulation).
+
+[note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
+loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
+the same inputs. fp32 grads are modified in place by the stock path (unscale_, clip): the timed
+loop does not restore them (backward would write fresh ones; restoring would add a copy to the
+stock time only), so during timing they shrink towards zero -- the same instructions run, and
+denormals are flushed on CPU. The correctness gate restores them before every gated step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import ampfused
+
+from . import measure
+from .configs import BETAS, EPS, GRAD_STD, GROWTH_INTERVAL, INIT_SCALE, LR, MAX_GRAD_NORM, WEIGHT_DECAY, Case
+
+STOCK = ("torch-foreach", "torch-fused")
+
+
+class CaseData:
+    """Seeded initial params (fp32) and gradients (per micro-batch, in the param dtype) of one case."""
+
+    def __init__(self, case: Case, device: torch.device, seed: int = 0):
+        config = case.config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = config.torch_dtype
+        scale = INIT_SCALE if config.loss_scaling else 1.0
+        self.init = [torch.randn(n, generator=gen, device=device).mul_(0.02) for n in case.shapes.sizes]
+        if config.low_precision:  # the master starts as the low-precision param, as FusedAmpAdamW does
+            self.init = [t.to(dtype).float() for t in self.init]
+        self.grads = [
+            [torch.randn(n, generator=gen, device=device).mul_(GRAD_STD * scale).to(dtype) for n in case.shapes.sizes]
+            for _ in range(config.micro_batches)
+        ]
+
+
+def _init_scale(scaler, device) -> None:
+    """The scale tensor is created lazily by ``scaler.scale(loss)``, which the forward half of a loop calls."""
+    scaler.scale(torch.ones((), device=device))
+
+
+class Provider:
+    """One implementation set up on one case. ``step()`` is what is timed."""
+
+    name: str
+
+    def __init__(self, case: Case, data: CaseData, device: torch.device):
+        self.case, self.config, self.data, self.device = case, case.config, data, device
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def restore_grads(self) -> None:
+        """Put back the gradients backward would have produced (only needed where step() modifies them)."""
+
+    def results(self) -> dict[str, list[Tensor]]:
+        """{"master": fp32 weights, "param": model params} after the steps run so far."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor this provider keeps between steps (the case's shared gradients excluded)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop every tensor (the next provider is measured on a clean allocator)."""
+        self.__dict__.clear()
+
+
+class StockAdamW(Provider):
+    def __init__(self, case, data, device, impl: str):
+        super().__init__(case, data, device)
+        self.name = f"torch-{impl}"
+        cfg = self.config
+        if cfg.low_precision:
+            self.params = [t.to(cfg.torch_dtype, copy=True) for t in data.init]
+            self.masters = [torch.nn.Parameter(t.clone()) for t in data.init]
+            for m in self.masters:
+                m.grad = torch.empty_like(m)
+        else:
+            self.params = self.masters = [torch.nn.Parameter(t.clone()) for t in data.init]
+            for m, g in zip(self.masters, data.grads[0]):
+                m.grad = g.clone()
+        self.master_grads = [m.grad for m in self.masters]
+        self.opt = torch.optim.AdamW(self.masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                     **{impl: True})
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
+                                           enabled=cfg.loss_scaling)
+        _init_scale(self.scaler, device)
+
+    def restore_grads(self) -> None:
+        if not self.config.low_precision:
+            torch._foreach_copy_(self.master_grads, self.data.grads[0])
+
+    def step(self) -> None:
+        if self.config.low_precision:
+            for k, micro_batch in enumerate(self.data.grads):
+                (torch._foreach_copy_ if k == 0 else torch._foreach_add_)(self.master_grads, micro_batch)
+        self.scaler.unscale_(self.opt)
+        if self.config.clip:
+            torch.nn.utils.clip_grad_norm_(self.masters, MAX_GRAD_NORM, foreach=True)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if self.config.low_precision:
+            torch._foreach_copy_(self.params, self.masters)
+
+    def results(self):
+        return {"master": [m.detach() for m in self.masters], "param": [p.detach() for p in self.params]}
+
+    def state_bytes(self) -> int:
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
+        return measure.storage_bytes([*self.params, *self.masters, *self.master_grads, *state])
+
+
+class AmpfusedAdamW(Provider):
+    def __init__(self, case, data, device, backend: str):
+        super().__init__(case, data, device)
+        self.name = f"ampfused-{backend}"
+        cfg = self.config
+        self.params = [torch.nn.Parameter(t.to(cfg.torch_dtype, copy=True)) for t in data.init]
+        self.opt = ampfused.FusedAmpAdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                          max_grad_norm=MAX_GRAD_NORM if cfg.clip else None, backend=backend)
+        self.scaler = ampfused.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
+                                          enabled=cfg.loss_scaling)
+        _init_scale(self.scaler, device)
+        if not cfg.low_precision:
+            for p, g in zip(self.params, data.grads[0]):
+                p.grad = g.clone()
+        # [note: hook path] the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
+        # called as autograd calls them once a param's .grad is final.
+        self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
+
+    def step(self) -> None:
+        if self.config.low_precision:
+            for micro_batch in self.data.grads:
+                for p, g, hooks in zip(self.params, micro_batch, self.hooks):
+                    p.grad = g
+                    for hook in hooks:
+                        hook(p)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if self.config.low_precision:
+            self.opt.zero_grad()
+
+    def results(self):
+        if self.config.low_precision:
+            masters = [self.opt.state[p]["master_param"] for p in self.params]
+        else:
+            masters = [p.detach() for p in self.params]
+        return {"master": masters, "param": [p.detach() for p in self.params]}
+
+    def state_bytes(self) -> int:
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        main_grads = [p.main_grad for p in self.params if getattr(p, "main_grad", None) is not None]
+        return measure.storage_bytes([*self.params, *grads, *main_grads, *state])
+
+
+def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provider:
+    if name in STOCK:
+        return StockAdamW(case, data, device, name.split("-", 1)[1])
+    return AmpfusedAdamW(case, data, device, name.split("-", 1)[1])
+
+
+# ---------------------------------------------------------------- bytes model
+
+
+def bytes_per_param(provider: str, case: Case) -> float:
+    r"""Bytes one step moves per parameter, by the pass structure of each implementation.
+
+    With ``L`` the low-precision size (2), ``N`` micro-batches, ``s`` = 1 with a scaler, ``c`` = 1
+    with clipping:
+
+    * stock, fp32 params: ``8s + 12c + 28`` -- unscale_ (read+write g: 8), clip_grad_norm_ (norm:
+      read g 4; scale: read+write g 8), AdamW (read p, g, m, v; write p, m, v: 28). 48 B with both
+      (DESIGN §4).
+    * stock, bf16/fp16 params: ``(L+4) + (N-1)(L+8) + 8s + 12c + 28 + (4+L)`` -- cast-copy of the
+      first micro-batch, cast-add of the others, the fp32 step on the masters, and the copy of the
+      masters into the params.
+    * ampfused, fp32 params: ``4 + 28 = 32`` -- stats pass (read g) and update pass, whatever s, c.
+    * ampfused, bf16/fp16: ``N(L+8) + 4 + 4 + (28+L)`` -- accumulation (read g, read+write
+      main_grad), zeroing main_grad, stats pass, update pass (read main_grad, master, m, v; write
+      master, m, v and the low-precision param).
+
+    [note: nominal bytes] This is the traffic of each implementation's passes at one read/write
+    per operand; torch's foreach AdamW materializes intermediates and moves more, so its effective
+    GB/s (bytes / time) understates its real traffic. The model counts the current ampfused pass
+    structure (functional.run_step); a backend that fuses the stats into the last accumulation
+    moves 4 B/param less than counted.
+    """
+    cfg = case.config
+    s, c = int(cfg.loss_scaling), int(cfg.clip)
+    lp = cfg.torch_dtype.itemsize if cfg.low_precision else 0
+    n = cfg.micro_batches
+    if provider in STOCK:
+        core = 8 * s + 12 * c + 28
+        if not cfg.low_precision:
+            return core
+        return (lp + 4) + (n - 1) * (lp + 8) + core + (4 + lp)
+    if not cfg.low_precision:
+        return 32
+    return n * (lp + 8) + 4 + 4 + (28 + lp)
