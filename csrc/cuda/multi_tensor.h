@@ -1,0 +1,96 @@
+// The device-side tables of the multi-tensor CUDA passes and the launch shape: the one place that
+// knows chunk sizes and launch limits. Plain C++ (no torch headers): included by passes.cu and by
+// ops_cuda.cpp, which builds the tables.
+//
+// [note: multi-tensor tables] Unlike torch's MultiTensorApply, which packs at most ~110 pointers
+// into each launch's kernel arguments and launches again for the rest, every pass here reads one
+// device table (tensor entries, then chunk entries) and launches once whatever the number of
+// tensors. ops_cuda.cpp builds a table once per distinct set of pointers and reuses it while the
+// pointers stay the same (they do: params and optimizer state are not re-allocated between steps).
+// Per-group hyperparameters (lr changes every step under a scheduler) travel by value in the
+// kernel arguments instead, up to kInlineGroups groups.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace ampfused {
+namespace cuda {
+
+constexpr int kBlockSize = 512;
+constexpr int64_t kChunkSize = 65536;  // elements per chunk; a multiple of 4 * kBlockSize
+constexpr int kBlocksPerSM = 4;        // 4 x 512 threads fill an SM; the grid is SMs x this at most
+constexpr int kInlineGroups = 24;      // param groups passed by value; more go through a device table
+
+static_assert(kChunkSize % (4 * kBlockSize) == 0, "chunks must hold whole 4-wide vectors for every thread");
+
+struct UpdateEntry {
+  void* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // nullptr: no AMSGrad
+  float* master;          // nullptr: no master copy
+  float* step;
+  int64_t numel;
+  int32_t param_dtype;
+  int32_t grad_dtype;
+  int32_t group;
+  int32_t aligned;  // every pointer allows 4-wide vector access
+};
+
+struct StatsEntry {
+  const void* grad;
+  int64_t numel;
+  int32_t dtype;
+  int32_t aligned;
+};
+
+struct Chunk {
+  int32_t tensor;
+  int32_t unused;
+  int64_t start;
+};
+
+enum LrDType : int32_t { kLrValue = -1, kLrF32 = 0, kLrF64 = 3 };
+
+struct GroupHyper {
+  double lr;           // used when lr_ptr is null
+  const void* lr_ptr;  // a device tensor lr, read by the kernel (no host sync)
+  int32_t lr_dtype;
+  int32_t flags;       // kFlagAmsgrad | kFlagMaximize (ops_common.h)
+  double beta1, beta2, eps, weight_decay;
+};
+
+struct UpdateParams {
+  const UpdateEntry* tensors;
+  const Chunk* chunks;
+  int64_t n_chunks;
+  int32_t n_tensors;
+  int32_t n_groups;
+  const float* factor;
+  const float* skip;
+  unsigned int* counter;      // zero between launches; the last block resets it
+  const GroupHyper* groups;   // nullptr: inline_groups
+  GroupHyper inline_groups[kInlineGroups];
+};
+
+struct StatsParams {
+  const StatsEntry* tensors;
+  const Chunk* chunks;
+  int64_t n_chunks;
+  const float* inv_scale;  // nullptr: 1
+  float* sumsq;
+  double* partials;        // one slot per block
+  unsigned int* counter;   // zero between launches; the last block resets it
+};
+
+// Defined in passes.cu; they return the launch's error (cudaSuccess when it was queued).
+cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t stream);
+cudaError_t launch_stats(const StatsParams& params, int grid, cudaStream_t stream);
+cudaError_t launch_accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n, bool aligned, int grid,
+                              cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace ampfused

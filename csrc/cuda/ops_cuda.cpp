@@ -1,0 +1,251 @@
+// CUDA implementations of the ampfused ops: argument checks, the cached device tables of
+// multi_tensor.h, and the launches (passes.cu). Host code only; compiled by the host compiler.
+//
+// [note: table cache] A table is keyed by every pointer, size, dtype and group index it encodes, so
+// an unchanged set of tensors (the normal case: params and optimizer state stay put between steps)
+// reuses the device table it got at its first step, and any re-allocation builds a new one. A few
+// tables are kept per process (several optimizers, or the stats and update passes of a GAN, each
+// find theirs). Building one copies from pinned host memory with a non-blocking copy on the current
+// stream: nothing synchronizes, and the copy can be captured in a CUDA graph (the pinned buffer
+// lives as long as the table).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "../ops_common.h"
+#include "multi_tensor.h"
+
+namespace ampfused {
+namespace cuda {
+namespace {
+
+constexpr size_t kCachedTables = 16;
+
+int sm_count(int device) {
+  static std::mutex mu;
+  static std::vector<int> counts;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(counts.size()) <= device) counts.resize(device + 1, 0);
+  if (counts[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return counts[device];
+}
+
+int grid_for(int64_t work_items, int device) {
+  const int64_t most = static_cast<int64_t>(sm_count(device)) * kBlocksPerSM;
+  return static_cast<int>(std::max<int64_t>(1, std::min(work_items, most)));
+}
+
+bool aligned4(const void* ptr, int64_t element_size) {
+  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % (4 * element_size) == 0;
+}
+
+int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
+
+struct Table {
+  std::vector<int64_t> key;
+  at::Tensor host;     // pinned copy of the bytes below, kept alive for the async copy / graph replays
+  at::Tensor device;   // entries, then chunks (16-byte aligned)
+  at::Tensor scratch;  // [counter (8 bytes)] [partials: grid doubles]
+  int64_t chunk_offset = 0;
+  int64_t n_chunks = 0;
+  int grid = 1;
+
+  const void* entries() const { return device.data_ptr(); }
+  const Chunk* chunks() const { return reinterpret_cast<const Chunk*>(static_cast<const char*>(device.data_ptr()) + chunk_offset); }
+  unsigned int* counter() const { return reinterpret_cast<unsigned int*>(scratch.data_ptr()); }
+  double* partials() const { return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + 8); }
+};
+
+template <typename Entry>
+std::shared_ptr<Table> build_table(std::vector<int64_t> key, const std::vector<Entry>& entries, const at::Device& device) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    for (int64_t start = 0; start < entries[i].numel; start += kChunkSize) {
+      chunks.push_back(Chunk{static_cast<int32_t>(i), 0, start});
+    }
+  }
+  auto table = std::make_shared<Table>();
+  table->key = std::move(key);
+  const int64_t entry_bytes = static_cast<int64_t>(entries.size() * sizeof(Entry) + 15) / 16 * 16;
+  const int64_t bytes = std::max<int64_t>(16, entry_bytes + static_cast<int64_t>(chunks.size() * sizeof(Chunk)));
+  table->host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  char* host = static_cast<char*>(table->host.data_ptr());
+  std::memcpy(host, entries.data(), entries.size() * sizeof(Entry));
+  std::memcpy(host + entry_bytes, chunks.data(), chunks.size() * sizeof(Chunk));
+  table->device = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  table->device.copy_(table->host, /*non_blocking=*/true);
+  table->chunk_offset = entry_bytes;
+  table->n_chunks = static_cast<int64_t>(chunks.size());
+  table->grid = grid_for(table->n_chunks, device.index());
+  table->scratch = at::zeros({8 + 8 * static_cast<int64_t>(table->grid)}, at::TensorOptions().dtype(at::kByte).device(device));
+  return table;
+}
+
+// The cached table for `key`, built by `build` on a miss (most recently used first).
+template <typename Build>
+std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build) {
+  static std::mutex mu;
+  static std::deque<std::shared_ptr<Table>> tables;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = tables.begin(); it != tables.end(); ++it) {
+    if ((*it)->key == key) {
+      std::shared_ptr<Table> hit = *it;
+      if (it != tables.begin()) {
+        tables.erase(it);
+        tables.push_front(hit);
+      }
+      return hit;
+    }
+  }
+  std::shared_ptr<Table> fresh = build();
+  tables.push_front(fresh);
+  if (tables.size() > kCachedTables) tables.pop_back();
+  return fresh;
+}
+
+void accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& grad) {
+  check_accumulate(main_grad, grad);
+  TORCH_CHECK(main_grad.is_cuda(), "ampfused::accumulate (CUDA) got tensors on ", main_grad.device());
+  const int64_t n = main_grad.numel();
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(main_grad.device());
+  const int32_t dtype = dtype_code(grad, "grad");
+  float* dst = main_grad.data_ptr<float>();
+  const void* src = grad.data_ptr();
+  const bool aligned = aligned4(dst, 4) && aligned4(src, element_size(dtype));
+  const int grid = grid_for((n + 4 * kBlockSize - 1) / (4 * kBlockSize), main_grad.device().index());
+  C10_CUDA_CHECK(launch_accumulate(dst, src, dtype, n, aligned, grid, c10::cuda::getCurrentCUDAStream()));
+}
+
+void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
+  check_stats(grads, inv_scale, sumsq);
+  TORCH_CHECK(sumsq.is_cuda(), "ampfused::grad_stats (CUDA) got sumsq on ", sumsq.device());
+  if (grads.empty()) return;
+  const at::Device device = sumsq.device();
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<StatsEntry> entries;
+  std::vector<int64_t> key{1, device.index()};  // 1: a stats table
+  entries.reserve(grads.size());
+  key.reserve(2 + 3 * grads.size());
+  for (const at::Tensor& g : grads) {
+    const int32_t dtype = dtype_code(g, "grads");
+    const void* ptr = g.data_ptr();
+    entries.push_back(StatsEntry{ptr, g.numel(), dtype, aligned4(ptr, element_size(dtype))});
+    key.push_back(reinterpret_cast<int64_t>(ptr));
+    key.push_back(g.numel());
+    key.push_back(dtype);
+  }
+  std::shared_ptr<Table> table = cached_table(key, [&] { return build_table(key, entries, device); });
+  StatsParams p{};
+  p.tensors = static_cast<const StatsEntry*>(table->entries());
+  p.chunks = table->chunks();
+  p.n_chunks = table->n_chunks;
+  p.inv_scale = inv_scale.has_value() ? inv_scale->data_ptr<float>() : nullptr;
+  p.sumsq = sumsq.data_ptr<float>();
+  p.partials = table->partials();
+  p.counter = table->counter();
+  C10_CUDA_CHECK(launch_stats(p, table->grid, c10::cuda::getCurrentCUDAStream()));
+}
+
+void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                       const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
+                       const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups,
+                       at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
+                       at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
+                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
+                       const at::Tensor& skip) {
+  UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
+                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, factor, skip);
+  if (args.tensors.empty()) return;
+  const at::Device device = params[0].device();
+  TORCH_CHECK(device.is_cuda(), "ampfused::adamw_update (CUDA) got tensors on ", device);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  std::vector<UpdateEntry> entries;
+  std::vector<int64_t> key{2, device.index()};  // 2: an update table
+  entries.reserve(args.tensors.size());
+  key.reserve(2 + 9 * args.tensors.size());
+  for (const UpdateTensor& t : args.tensors) {
+    const int64_t ps = element_size(t.param_dtype), gs = element_size(t.grad_dtype);
+    const bool aligned = aligned4(t.param, ps) && aligned4(t.grad, gs) && aligned4(t.exp_avg, 4) &&
+                         aligned4(t.exp_avg_sq, 4) && aligned4(t.max_exp_avg_sq, 4) && aligned4(t.master, 4);
+    entries.push_back(UpdateEntry{t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.master, t.step,
+                                  t.numel, t.param_dtype, t.grad_dtype, t.group, aligned});
+    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg),
+                            static_cast<const void*>(t.exp_avg_sq), static_cast<const void*>(t.max_exp_avg_sq),
+                            static_cast<const void*>(t.master), static_cast<const void*>(t.step)}) {
+      key.push_back(reinterpret_cast<int64_t>(ptr));
+    }
+    key.push_back(t.numel);
+    key.push_back((static_cast<int64_t>(t.group) << 8) | (t.param_dtype << 4) | t.grad_dtype);
+  }
+  std::shared_ptr<Table> table = cached_table(key, [&] { return build_table(key, entries, device); });
+
+  // Group hyperparameters: by value in the launch (they change every step under a scheduler).
+  std::vector<GroupHyper> hyper(args.groups.size());
+  std::vector<at::Tensor> keep_alive;
+  for (size_t j = 0; j < args.groups.size(); ++j) {
+    const UpdateGroup& g = args.groups[j];
+    GroupHyper& h = hyper[j];
+    h = GroupHyper{g.lr, nullptr, kLrValue, (g.amsgrad ? 1 : 0) | (g.maximize ? 2 : 0), g.beta1, g.beta2, g.eps,
+                   g.weight_decay};
+    if (g.lr_tensor.has_value()) {
+      const at::Tensor& lr = *g.lr_tensor;
+      if (lr.device() == device) {
+        // read on the device at kernel time: no sync, and graph replays see scheduler updates
+        at::Tensor lr_t = (lr.scalar_type() == at::kFloat || lr.scalar_type() == at::kDouble) ? lr : lr.to(at::kFloat);
+        h.lr_ptr = lr_t.data_ptr();
+        h.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64 : kLrF32;
+        keep_alive.push_back(lr_t);
+      } else {
+        h.lr = lr.item<double>();  // a CPU tensor: no device sync
+      }
+    }
+  }
+  UpdateParams p{};
+  p.tensors = static_cast<const UpdateEntry*>(table->entries());
+  p.chunks = table->chunks();
+  p.n_chunks = table->n_chunks;
+  p.n_tensors = static_cast<int32_t>(entries.size());
+  p.n_groups = static_cast<int32_t>(hyper.size());
+  p.factor = factor.data_ptr<float>();
+  p.skip = skip.data_ptr<float>();
+  p.counter = table->counter();
+  at::Tensor group_table;
+  if (hyper.size() <= static_cast<size_t>(kInlineGroups)) {
+    std::copy(hyper.begin(), hyper.end(), p.inline_groups);
+    p.groups = nullptr;
+  } else {
+    const int64_t bytes = static_cast<int64_t>(hyper.size() * sizeof(GroupHyper));
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.data_ptr(), hyper.data(), bytes);
+    group_table = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    group_table.copy_(host, /*non_blocking=*/true);
+    p.groups = static_cast<const GroupHyper*>(group_table.data_ptr());
+  }
+  C10_CUDA_CHECK(launch_update(p, table->grid, stream));
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace ampfused
+
+TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
+  m.impl("accumulate", &ampfused::cuda::accumulate_cuda);
+  m.impl("grad_stats", &ampfused::cuda::grad_stats_cuda);
+  m.impl("adamw_update", &ampfused::cuda::adamw_update_cuda);
+}

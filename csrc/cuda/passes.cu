@@ -1,0 +1,277 @@
+// CUDA kernels of the three passes. Light on purpose: only the CUDA runtime and ampfused's own
+// headers, no ATen, so this file compiles in seconds per architecture.
+//
+// [note: one launch, finished on the device] The stats and update kernels each run once over the
+// whole table. Whatever must happen after every block is done (adding the per-block partial sums
+// in a fixed order; advancing the step counters after every block has read them) is done by the
+// last block to finish, found with a device counter (threadfence + atomicAdd), so nothing returns
+// to the host and the result does not depend on block scheduling.
+#include <cuda_runtime.h>
+
+#include "../adamw_math.h"
+#include "../dtypes.h"
+#include "multi_tensor.h"
+
+namespace ampfused {
+namespace cuda {
+namespace {
+
+constexpr int32_t kFlagMaximize = 2;  // as ops_common.h
+
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float out[4]) {
+  const Pack4<T> pack = *reinterpret_cast<const Pack4<T>*>(p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = to_float(pack.v[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float in[4]) {
+  Pack4<T> pack;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pack.v[j] = from_float<T>(in[j]);
+  *reinterpret_cast<Pack4<T>*>(p) = pack;
+}
+
+// Deterministic block-wide sum (fixed shuffle tree, then warp sums in order). All threads call it.
+__device__ double block_sum(double x, double* shared /* kBlockSize / 32 slots */) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // shared may still be read by a previous call
+  if (lane == 0) shared[warp] = x;
+  __syncthreads();
+  x = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.0;
+  if (warp == 0) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;  // valid in thread 0
+}
+
+// True in every thread of the block that finished last (after its own work and a threadfence).
+__device__ bool last_block_done(unsigned int* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  return last;
+}
+
+// ------------------------------------------------------------------------------------ update
+
+template <typename P, typename G>
+__device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float factor) {
+  P* param = static_cast<P*>(t.param);
+  const G* grad = static_cast<const G*>(t.grad);
+  float* m = t.exp_avg;
+  float* v = t.exp_avg_sq;
+  float* vmax = t.max_exp_avg_sq;
+  float* master = t.master;
+  const bool amsgrad = vmax != nullptr, has_master = master != nullptr;
+  int64_t scalar_begin = begin;
+  if (t.aligned) {
+    const int64_t n4 = (end - begin) / 4;
+    for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
+      const int64_t i = begin + 4 * k;
+      float w[4], g[4], mi[4], vi[4], vmaxi[4];
+      if (has_master) {
+        load4(master + i, w);
+      } else {
+        load4(param + i, w);
+      }
+      load4(grad + i, g);
+      load4(m + i, mi);
+      load4(v + i, vi);
+      if (amsgrad) load4(vmax + i, vmaxi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float gj = __fmul_rn(g[j], factor);
+        if (amsgrad) {
+          adamw_element<true>(w[j], gj, mi[j], vi[j], vmaxi[j], s);
+        } else {
+          adamw_element<false>(w[j], gj, mi[j], vi[j], vmaxi[j], s);
+        }
+      }
+      store4(m + i, mi);
+      store4(v + i, vi);
+      if (amsgrad) store4(vmax + i, vmaxi);
+      if (has_master) store4(master + i, w);
+      store4(param + i, w);
+    }
+    scalar_begin = begin + 4 * n4;
+  }
+  for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
+    float w = has_master ? master[i] : to_float(param[i]);
+    float mi = m[i], vi = v[i], vmaxi = amsgrad ? vmax[i] : 0.0f;
+    const float gi = __fmul_rn(to_float(grad[i]), factor);
+    if (amsgrad) {
+      adamw_element<true>(w, gi, mi, vi, vmaxi, s);
+      vmax[i] = vmaxi;
+    } else {
+      adamw_element<false>(w, gi, mi, vi, vmaxi, s);
+    }
+    m[i] = mi;
+    v[i] = vi;
+    if (has_master) master[i] = w;
+    param[i] = from_float<P>(w);
+  }
+}
+
+template <typename P>
+__device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float f) {
+  switch (t.grad_dtype) {
+    case kF32: return update_chunk<P, float>(t, begin, end, s, f);
+    case kF16: return update_chunk<P, Half>(t, begin, end, s, f);
+    default: return update_chunk<P, BFloat16>(t, begin, end, s, f);
+  }
+}
+
+__global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
+  if (*p.skip != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
+  const float factor = *p.factor;
+  const GroupHyper* groups = p.groups != nullptr ? p.groups : p.inline_groups;
+  for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
+    const Chunk chunk = p.chunks[c];
+    const UpdateEntry t = p.tensors[chunk.tensor];
+    const GroupHyper& h = groups[t.group];
+    double lr = h.lr;
+    if (h.lr_ptr != nullptr) {
+      lr = h.lr_dtype == kLrF64 ? *static_cast<const double*>(h.lr_ptr)
+                                : static_cast<double>(*static_cast<const float*>(h.lr_ptr));
+    }
+    const AdamWScalars s = adamw_scalars(lr, h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*t.step, 1.0f));
+    const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
+    const int64_t end = min(chunk.start + kChunkSize, t.numel);
+    switch (t.param_dtype) {
+      case kF32: update_chunk_p<float>(t, chunk.start, end, s, f); break;
+      case kF16: update_chunk_p<Half>(t, chunk.start, end, s, f); break;
+      default: update_chunk_p<BFloat16>(t, chunk.start, end, s, f); break;
+    }
+  }
+  // Every block has read the step counters it needed: the last one advances them all.
+  if (last_block_done(p.counter)) {
+    for (int i = threadIdx.x; i < p.n_tensors; i += blockDim.x) {
+      float* step = p.tensors[i].step;
+      *step = __fadd_rn(*step, 1.0f);
+    }
+    if (threadIdx.x == 0) *p.counter = 0;
+  }
+}
+
+// ------------------------------------------------------------------------------------- stats
+
+template <typename G>
+__device__ float chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, float inv) {
+  const G* g = static_cast<const G*>(t.grad);
+  float acc = 0.0f;
+  int64_t scalar_begin = begin;
+  if (t.aligned) {
+    const int64_t n4 = (end - begin) / 4;
+    for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
+      float x[4];
+      load4(g + begin + 4 * k, x);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float u = __fmul_rn(x[j], inv);
+        acc = __fmaf_rn(u, u, acc);
+      }
+    }
+    scalar_begin = begin + 4 * n4;
+  }
+  for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float u = __fmul_rn(to_float(g[i]), inv);
+    acc = __fmaf_rn(u, u, acc);
+  }
+  return acc;
+}
+
+__global__ void __launch_bounds__(kBlockSize) stats_kernel(const __grid_constant__ StatsParams p) {
+  __shared__ double shared[kBlockSize / 32];
+  const float inv = p.inv_scale != nullptr ? *p.inv_scale : 1.0f;
+  double acc = 0.0;
+  for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
+    const Chunk chunk = p.chunks[c];
+    const StatsEntry t = p.tensors[chunk.tensor];
+    const int64_t end = min(chunk.start + kChunkSize, t.numel);
+    switch (t.dtype) {
+      case kF32: acc += chunk_sumsq<float>(t, chunk.start, end, inv); break;
+      case kF16: acc += chunk_sumsq<Half>(t, chunk.start, end, inv); break;
+      default: acc += chunk_sumsq<BFloat16>(t, chunk.start, end, inv); break;
+    }
+  }
+  const double block = block_sum(acc, shared);
+  if (threadIdx.x == 0) p.partials[blockIdx.x] = block;
+  if (last_block_done(p.counter)) {
+    double x = 0.0;
+    for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x) {
+      x += static_cast<volatile double*>(p.partials)[i];
+    }
+    const double total = block_sum(x, shared);
+    if (threadIdx.x == 0) {
+      *p.sumsq = __fadd_rn(*p.sumsq, static_cast<float>(total));
+      *p.counter = 0;
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------- accumulate
+
+template <typename G>
+__global__ void __launch_bounds__(kBlockSize) accumulate_kernel(float* dst, const G* src, int64_t n, bool aligned) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t scalar_begin = 0;
+  if (aligned) {
+    const int64_t n4 = n / 4;
+    for (int64_t k = tid; k < n4; k += stride) {
+      float a[4], b[4];
+      load4(dst + 4 * k, a);
+      load4(src + 4 * k, b);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a[j] = __fadd_rn(a[j], b[j]);
+      store4(dst + 4 * k, a);
+    }
+    scalar_begin = 4 * n4;
+  }
+  for (int64_t i = scalar_begin + tid; i < n; i += stride) dst[i] = __fadd_rn(dst[i], to_float(src[i]));
+}
+
+}  // namespace
+
+cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t stream) {
+  update_kernel<<<grid, kBlockSize, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_stats(const StatsParams& params, int grid, cudaStream_t stream) {
+  stats_kernel<<<grid, kBlockSize, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n, bool aligned, int grid,
+                              cudaStream_t stream) {
+  switch (src_dtype) {
+    case kF32:
+      accumulate_kernel<<<grid, kBlockSize, 0, stream>>>(dst, static_cast<const float*>(src), n, aligned);
+      break;
+    case kF16:
+      accumulate_kernel<<<grid, kBlockSize, 0, stream>>>(dst, static_cast<const Half*>(src), n, aligned);
+      break;
+    default:
+      accumulate_kernel<<<grid, kBlockSize, 0, stream>>>(dst, static_cast<const BFloat16*>(src), n, aligned);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace ampfused
