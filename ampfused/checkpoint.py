@@ -1,0 +1,127 @@
+"""Crash-safe checkpoint files: atomic write, checksum, newest-valid lookup, RNG capture.
+
+A checkpoint is the ``torch.save`` bytes of any object followed by a 48-byte trailer
+(``MAGIC`` + SHA-256 of the payload). :func:`save` writes it to a temporary file in the same
+directory, fsyncs it, ``os.replace``-s it onto the final name and fsyncs the directory, so a
+process killed at any moment leaves either the old file or the complete new one. :func:`load`
+refuses any file without a matching trailer (a half-written file, a file truncated by a full
+disk, a torch.save file from elsewhere) with :class:`CheckpointError`, and :func:`latest`
+returns the newest file in a directory that loads.
+
+Example::
+
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+            "scheduler": sched.state_dict(), "rng": ampfused.checkpoint.rng_state(), "step": step}
+    ampfused.checkpoint.save(ckpt, f"ckpt/step{step:08d}.pt")
+    ...
+    path = ampfused.checkpoint.latest("ckpt")
+    if path is not None:
+        ckpt = ampfused.checkpoint.load(path)
+        ...; ampfused.checkpoint.set_rng_state(ckpt["rng"])
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import tempfile
+
+import torch
+
+__all__ = ["CheckpointError", "save", "load", "latest", "rng_state", "set_rng_state"]
+
+MAGIC = b"AMPFUSED-CKPT-1\n"  # 16 bytes
+_TRAILER = len(MAGIC) + 32
+
+
+class CheckpointError(ValueError):
+    """The file is not a complete checkpoint written by :func:`save`."""
+
+
+def save(obj, path: str | os.PathLike) -> None:
+    """Atomically write ``torch.save(obj)`` plus a checksum trailer to ``path``."""
+    path = os.fspath(path)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getbuffer()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.write(MAGIC + hashlib.sha256(payload).digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened; os.replace is atomic there anyway
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _payload(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _TRAILER or data[-_TRAILER:-32] != MAGIC:
+        raise CheckpointError(f"{path} is not a complete ampfused checkpoint (no end marker: written half-way, truncated, or not written by ampfused.checkpoint.save)")
+    payload, digest = data[:-_TRAILER], data[-32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents")
+    return payload
+
+
+def load(path: str | os.PathLike, map_location=None, weights_only: bool = True):
+    """Load a checkpoint written by :func:`save`; raises :class:`CheckpointError` unless it is complete and intact."""
+    return torch.load(io.BytesIO(_payload(os.fspath(path))), map_location=map_location, weights_only=weights_only)
+
+
+def latest(directory: str | os.PathLike, suffix: str = ".pt") -> str | None:
+    """Path of the last file (in name order) ending with ``suffix`` in ``directory`` whose trailer and
+    checksum are valid, or ``None``. Name checkpoints so that name order is step order (``step00000120.pt``)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return None
+    for name in sorted(os.listdir(directory), reverse=True):
+        path = os.path.join(directory, name)
+        if not name.endswith(suffix) or not os.path.isfile(path):
+            continue
+        try:
+            _payload(path)
+        except (CheckpointError, OSError):
+            continue
+        return path
+    return None
+
+
+def rng_state() -> dict:
+    """The states of Python's ``random``, torch's CPU generator and every CUDA generator."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
