@@ -5,6 +5,7 @@ is their specification. Runs on CUDA tensors, and on CPU tensors under ``TRITON_
 """
 from ._runtime import NAME, supports
 from .accumulate import accumulate_
-from .adamw import adamw_update_, grad_stats_
+from .adamw import adamw_update_
+from .stats import grad_stats_
 
 __all__ = ["NAME", "supports", "accumulate_", "grad_stats_", "adamw_update_"]

@@ -135,3 +135,13 @@ def all_aligned(addresses, alignment: int = 16) -> bool:
 def contiguous(tensors: Sequence[Tensor]) -> list[Tensor]:
     """The tensors as given when contiguous (the optimizer guarantees it), else contiguous copies."""
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+def check(t: Tensor, what: str, device: torch.device, dtypes) -> None:
+    """Validate a tensor once, when its table row is built (never on the hot path)."""
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, but the step runs on {device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{what} has dtype {t.dtype}; the Triton kernels take {', '.join(map(str, dtypes))}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; the Triton kernels address tensors as flat memory")

@@ -21,7 +21,6 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _runtime
-from ._memory import bf16_bits_to_f32
 
 
 @triton.jit
@@ -29,8 +28,8 @@ def _accumulate_kernel(main_grad_ptr, grad_ptr, numel, GRAD_IS_BF16: tl.constexp
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     grad = tl.load(grad_ptr + offs, mask=mask, other=0)
-    if GRAD_IS_BF16:  # passed as int16 bits: see the bf16 note in _memory.py
-        grad = bf16_bits_to_f32(grad.to(tl.uint16, bitcast=True))
+    if GRAD_IS_BF16:  # passed as int16 bits, widened exactly: see the bf16 note in _memory.py
+        grad = (grad.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         grad = grad.to(tl.float32)
     tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs, mask=mask) + grad, mask=mask)
