@@ -176,6 +176,14 @@ class FusedAmpAdamW(Optimizer):
         """Add the fresh low-precision p.grad into p.main_grad and free it."""
         grad = p.grad
         _check_grad(p, grad)
+        if _multi_process():
+            # [note: DDP] DDP all-reduces p.grad from its own autograd hooks; folding p.grad into a
+            # local main_grad here would race with it and step on unreduced gradients.
+            raise RuntimeError(
+                "fp32_grad_accumulation is not supported in a multi-process run (DistributedDataParallel "
+                "all-reduces p.grad, which the accumulation hook frees): build FusedAmpAdamW with "
+                "fp32_grad_accumulation=False (master weights stay on; DDP reduces the fp16/bf16 grads), or "
+                "use fp32 params under torch.autocast")
         self._get_backend().accumulate_(p.main_grad, grad)
         p.grad = None
         self._has_main_grad.add(p)
@@ -375,6 +383,11 @@ class FusedAmpAdamW(Optimizer):
                     state[name].copy_(values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _multi_process() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_grad(p: Tensor, grad: Tensor) -> None:
