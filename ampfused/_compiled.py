@@ -107,6 +107,7 @@ class CompiledBackend:
         self.NAME = name
         self.module = module
         self.cpu_isa = getattr(module, "CPU_ISA", "?")
+        self._empties: dict[torch.device, Tensor] = {}
 
     def __repr__(self) -> str:
         return f"<ampfused compiled backend {self.NAME!r} (ampfused._C, CPU ISA {self.cpu_isa})>"
@@ -153,7 +154,15 @@ class CompiledBackend:
                 wds.append(float(h.weight_decay))
                 flags.append((FLAG_AMSGRAD if h.amsgrad else 0) | (FLAG_MAXIMIZE if h.maximize else 0))
             groups.append(g)
+        # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
+        none = self._empty(params[0].device) if params else None
         torch.ops.ampfused.adamw_update(
             list(params), [_as_kernel_input(g) for g in grads], list(exp_avgs), list(exp_avg_sqs),
-            list(max_exp_avg_sqs), list(steps), list(masters), groups, lrs, lr_tensors, beta1s, beta2s, epss, wds,
-            flags, factor, skip)
+            [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
+            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, factor, skip)
+
+    def _empty(self, device: torch.device) -> Tensor:
+        empty = self._empties.get(device)
+        if empty is None:
+            empty = self._empties[device] = torch.empty(0, dtype=torch.float32, device=device)
+        return empty

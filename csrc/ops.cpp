@@ -10,12 +10,15 @@
 
 #include "cpu/cpu_kernels.h"
 
+// [note: no optional mutable lists] max_exp_avg_sqs and masters use an empty tensor where a param
+// has no AMSGrad buffer / no master copy: torch's auto-functionalization (torch.compile) fails on
+// `Tensor(a!)?[]` lists holding None (torch 2.13).
 TORCH_LIBRARY(ampfused, m) {
   m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
   m.def("grad_stats(Tensor[] grads, Tensor? inv_scale, Tensor(a!) sumsq) -> ()");
   m.def(
       "adamw_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)?[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)?[] masters, int[] groups, float[] lrs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
       "Tensor factor, Tensor skip) -> ()");
 }

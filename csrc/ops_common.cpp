@@ -32,12 +32,15 @@ void check_scalar(const at::Tensor& t, const at::Device& device, const char* wha
   TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the tensors are on ", device);
 }
 
+// An empty (or undefined) tensor stands for None in max_exp_avg_sqs / masters.
+bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
 }  // namespace
 
 UpdateArgs collect_update(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-    const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
-    const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
+    at::TensorList max_exp_avg_sqs, at::TensorList steps,
+    at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
     at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
     const at::Tensor& skip) {
@@ -82,15 +85,17 @@ UpdateArgs collect_update(
     t.exp_avg = exp_avgs[i].data_ptr<float>();
     t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
     if (group.amsgrad) {
-      std::optional<at::Tensor> vmax = max_exp_avg_sqs.get(i);
-      TORCH_CHECK(vmax.has_value(), "ampfused: max_exp_avg_sqs[", i, "] is None but its group uses amsgrad");
-      check_fp32_like(*vmax, p, "max_exp_avg_sqs", i);
-      t.max_exp_avg_sq = vmax->data_ptr<float>();
+      const at::Tensor& vmax = max_exp_avg_sqs[i];
+      TORCH_CHECK(present(vmax) || p.numel() == 0, "ampfused: max_exp_avg_sqs[", i, "] is empty (None) but its group uses amsgrad");
+      if (p.numel() > 0) {
+        check_fp32_like(vmax, p, "max_exp_avg_sqs", i);
+        t.max_exp_avg_sq = vmax.data_ptr<float>();
+      }
     }
-    std::optional<at::Tensor> master = masters.get(i);
-    if (master.has_value()) {
-      check_fp32_like(*master, p, "masters", i);
-      t.master = master->data_ptr<float>();
+    const at::Tensor& master = masters[i];
+    if (present(master) && p.numel() > 0) {
+      check_fp32_like(master, p, "masters", i);
+      t.master = master.data_ptr<float>();
     }
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.defined() && step.numel() == 1 && step.scalar_type() == at::kFloat && step.device() == device,

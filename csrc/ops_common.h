@@ -43,10 +43,11 @@ struct UpdateArgs {
   std::vector<UpdateGroup> groups;
 };
 
+// max_exp_avg_sqs / masters: an empty tensor where a param has none (see ops.cpp).
 UpdateArgs collect_update(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-    const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
-    const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
+    at::TensorList max_exp_avg_sqs, at::TensorList steps,
+    at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
     at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
     const at::Tensor& skip);

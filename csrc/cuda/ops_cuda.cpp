@@ -161,8 +161,8 @@ void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& inv_
 }
 
 void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                       const c10::List<std::optional<at::Tensor>>& max_exp_avg_sqs, at::TensorList steps,
-                       const c10::List<std::optional<at::Tensor>>& masters, at::IntArrayRef groups,
+                       at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                       at::TensorList masters, at::IntArrayRef groups,
                        at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                        at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
                        at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
