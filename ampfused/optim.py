@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections import defaultdict
 from itertools import chain
@@ -105,10 +106,22 @@ class FusedAmpAdamW(Optimizer):
         self._state_flat: dict[str, FlatBuffer] | None = None  # built at the first step
         self._state_index: dict[Tensor, int] = {}
         self._main_grad_flat: FlatBuffer | None = None
-        self._has_main_grad: set[Tensor] = set()
-        self._hooks = []
+        self._main_grad_params: list[Tensor] = []
+        # [note: main_grad lifecycle] a param's main_grad is empty, *pending* (holds gradient not yet
+        # stepped on) or *consumed* (a step used it). Only pending grads are stepped, and the first
+        # fold after a step overwrites instead of adding, so model.zero_grad() or `p.grad = None`
+        # between steps (HF Trainer, Lightning) behave as with torch.optim.AdamW.
+        self._pending: set[Tensor] = set()
+        self._consumed: set[Tensor] = set()
+        self._hooks: list = []
+        self._self_ref = weakref.ref(self)
+        self._params_registered = False  # main_grad storage is laid out once, after the initial groups
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
+        self._params_registered = True
+        self._setup_main_grads()
+        # hooks and main_grad leave the params with the optimizer (the callback must not hold self)
+        weakref.finalize(self, _release_main_grads, self._hooks, self._self_ref)
 
     # ---------------------------------------------------------------- param registration
 
@@ -125,7 +138,8 @@ class FusedAmpAdamW(Optimizer):
         for p in self.param_groups[-1]["params"]:
             self._param_dtypes[p] = p.dtype
         self._state_flat = None  # new params: the flat state is re-laid out at the next step
-        self._setup_main_grads()
+        if self._params_registered:
+            self._setup_main_grads()
 
     def _check_param(self, p) -> None:
         if not isinstance(p, Tensor):
@@ -161,16 +175,20 @@ class FusedAmpAdamW(Optimizer):
     def _setup_main_grads(self) -> None:
         """(Re)build the flat fp32 main_grad storage and hook every param that needs it."""
         wanted = [p for p in self._all_params() if self._uses_main_grad(p) and p.requires_grad]  # frozen: no hook
-        old = {} if self._main_grad_flat is None else {p: p.main_grad for p in wanted if hasattr(p, "main_grad")}
-        hooked = {id(h_p) for h_p, _ in self._hooks}
+        old = {} if self._main_grad_flat is None else dict(zip(self._main_grad_params, self._main_grad_flat.views))
         self._main_grad_flat = FlatBuffer(wanted, self._device) if wanted else None
-        ref = weakref.ref(self)
+        self._main_grad_params = wanted
         for i, p in enumerate(wanted):
             if p in old:
                 self._main_grad_flat.views[i].copy_(old[p])
+            # a newer optimizer over the same params takes them over: the owner tag tells the hooks
             p.main_grad = self._main_grad_flat.views[i]
-            if id(p) not in hooked:
-                self._hooks.append((p, p.register_post_accumulate_grad_hook(_accumulate_hook(ref))))
+            p._ampfused_owner = self._self_ref
+            if p not in old:
+                self._hooks.append((p, p.register_post_accumulate_grad_hook(_accumulate_hook(self._self_ref))))
+
+    def _owns_main_grad(self, p: Tensor) -> bool:
+        return getattr(p, "_ampfused_owner", None) is self._self_ref
 
     def _fold_grad(self, p: Tensor) -> None:
         """Add the fresh low-precision p.grad into p.main_grad and free it."""
@@ -184,16 +202,24 @@ class FusedAmpAdamW(Optimizer):
                 "all-reduces p.grad, which the accumulation hook frees): build FusedAmpAdamW with "
                 "fp32_grad_accumulation=False (master weights stay on; DDP reduces the fp16/bf16 grads), or "
                 "use fp32 params under torch.autocast")
-        self._get_backend().accumulate_(p.main_grad, grad)
+        if p in self._consumed:  # the previous step used main_grad: this backward starts anew
+            p.main_grad.copy_(grad)
+            self._consumed.discard(p)
+        else:
+            self._get_backend().accumulate_(p.main_grad, grad)
         p.grad = None
-        self._has_main_grad.add(p)
+        self._pending.add(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients: ``p.grad`` as torch does, and the fp32 ``main_grad`` storage to zero."""
         super().zero_grad(set_to_none)
         if self._main_grad_flat is not None:
             self._main_grad_flat.data.zero_()
             if set_to_none:
-                self._has_main_grad.clear()
+                self._pending.clear()
+            else:  # like torch's zeroed grads, a zero main_grad still takes part in the next step
+                self._pending |= self._consumed
+            self._consumed.clear()
 
     # ---------------------------------------------------------------- backend and state
 
@@ -236,17 +262,22 @@ class FusedAmpAdamW(Optimizer):
         return self._state_flat[key].views[self._slots[key][p]]
 
     def _init_state(self, p: Tensor, amsgrad: bool) -> None:
-        """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step."""
+        """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
+
+        A param whose group turned ``amsgrad`` on after it was stepped keeps its state and only
+        gains a zero ``max_exp_avg_sq`` (where torch.optim.AdamW would raise a KeyError).
+        """
         if self._state_flat is None or p not in self._state_index or (amsgrad and p not in self._slots["max_exp_avg_sq"]):
             self._build_state_layout()
         state = self.state[p]
-        state["step"] = self._steps_flat[self._state_index[p]].zero_()
-        state["exp_avg"] = self._view("exp_avg", p).zero_()
-        state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
-        if amsgrad:
+        if not state:
+            state["step"] = self._steps_flat[self._state_index[p]].zero_()
+            state["exp_avg"] = self._view("exp_avg", p).zero_()
+            state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
+            if self._uses_master(p):
+                state["master_param"] = self._view("master_param", p).copy_(p)
+        if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._view("max_exp_avg_sq", p).zero_()
-        if self._uses_master(p):
-            state["master_param"] = self._view("master_param", p).copy_(p)
 
     # ---------------------------------------------------------------- step
 
@@ -263,17 +294,22 @@ class FusedAmpAdamW(Optimizer):
                     raise RuntimeError(
                         f"a parameter of shape {tuple(p.shape)} became non-contiguous after the optimizer was built (p.data was "
                         "replaced by a strided view): FusedAmpAdamW's kernels address params as flat memory; keep params contiguous")
-                if self._uses_main_grad(p) and hasattr(p, "main_grad"):
+                if self._owns_main_grad(p):
                     if p.grad is not None:
                         self._fold_grad(p)
-                    if p in self._has_main_grad:
+                    if p in self._pending:
                         out.append((p, p.main_grad, group))
                 elif p.grad is not None:
-                    grad = p.grad
-                    _check_grad(p, grad)
-                    out.append((p, grad if grad.is_contiguous() else grad.contiguous(), group))
+                    _check_grad(p, p.grad)
+                    if not p.grad.is_contiguous():  # in place, so an unscale_ reaches what the step reads
+                        p.grad = p.grad.contiguous()
+                    out.append((p, p.grad, group))
         return out
 
+    # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
+    # pointer tables, which dynamo cannot trace: a compiled opt.step() (or a compiled train step that
+    # calls it) graph-breaks here and runs the step eagerly, with identical results.
+    @torch.compiler.disable(reason="FusedAmpAdamW.step is already fused; it runs eagerly under torch.compile")
     @torch.no_grad()
     def step(self, closure=None):
         """Perform a single optimization step (skipped, bitwise, when any gradient is inf/NaN).
@@ -322,6 +358,9 @@ class FusedAmpAdamW(Optimizer):
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
         if found_inf_out is not None:
             found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
+        consumed = [p for p in params if p in self._pending]
+        self._pending.difference_update(consumed)
+        self._consumed.update(consumed)
         return loss
 
     # ---------------------------------------------------------------- GradScaler support
@@ -331,9 +370,14 @@ class FusedAmpAdamW(Optimizer):
         """Unscale every gradient this optimizer will read (main_grad included), for GradScaler.unscale_."""
         from .reference import unscale_and_check_
 
-        grads = [g for _, g, _ in self._grads_to_step()]
-        if grads:
-            unscale_and_check_(grads, inv_scale.to(self._device), found_inf)
+        work = self._grads_to_step()
+        if self.max_grad_norm is None and any(self._owns_main_grad(p) for p, _, _ in work):
+            warnings.warn(
+                "GradScaler.unscale_(FusedAmpAdamW): the fp16/bf16 gradients live in p.main_grad and p.grad is None, so "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip nothing; pass max_grad_norm= to "
+                "FusedAmpAdamW to clip inside the step (opt.grad_norm holds the norm)", stacklevel=3)
+        if work:
+            unscale_and_check_([g for _, g, _ in work], inv_scale.to(self._device), found_inf)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -355,6 +399,7 @@ class FusedAmpAdamW(Optimizer):
         id_map = dict(zip(chain.from_iterable(s["params"] for s in saved_groups), self._all_params()))
         amsgrad_of = {p: s.get("amsgrad", False) for s in saved_groups for p in s["params"]}
         saved_state = state_dict["state"]
+        steps = {}
         for key, values in saved_state.items():
             if key not in id_map:
                 raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
@@ -367,6 +412,10 @@ class FusedAmpAdamW(Optimizer):
                     raise ValueError(
                         f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
                         f"shape {tuple(p.shape)}: the state dict belongs to another model or optimizer")
+            step = torch.as_tensor(values["step"], dtype=torch.float32)  # torch saves 0-d or 1-element steps
+            if step.numel() != 1:
+                raise ValueError(f"state 'step' of parameter {key} has shape {tuple(step.shape)}; expected a scalar")
+            steps[key] = step.reshape(())
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
             group["betas"] = tuple(group["betas"])
@@ -376,8 +425,7 @@ class FusedAmpAdamW(Optimizer):
             p = id_map[key]
             self._init_state(p, bool(amsgrad_of[key]))
             state = self.state[p]
-            step = values["step"]
-            state["step"].copy_(step if isinstance(step, Tensor) else torch.tensor(float(step)))
+            state["step"].copy_(steps[key])
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if name in values and name in state:
                     state[name].copy_(values[name])
@@ -407,11 +455,20 @@ def _check_grad(p: Tensor, grad: Tensor) -> None:
 
 
 def _accumulate_hook(optimizer_ref):
-    """Post-accumulate-grad hook folding p.grad into p.main_grad (no-op once the optimizer is gone)."""
+    """Post-accumulate-grad hook folding p.grad into p.main_grad, while this optimizer owns it."""
 
     def hook(p: Tensor) -> None:
         optimizer = optimizer_ref()
-        if optimizer is not None and p.grad is not None and getattr(p, "main_grad", None) is not None:
+        if optimizer is not None and p.grad is not None and optimizer._owns_main_grad(p):
             optimizer._fold_grad(p)
 
     return hook
+
+
+def _release_main_grads(hooks: list, owner_ref) -> None:
+    """Finalizer of a FusedAmpAdamW: remove its hooks, and main_grad where no newer optimizer owns it."""
+    for p, handle in hooks:
+        handle.remove()
+        if getattr(p, "_ampfused_owner", None) is owner_ref:
+            del p.main_grad, p._ampfused_owner
+    hooks.clear()
