@@ -308,8 +308,10 @@ class FusedAmpAdamW(Optimizer):
 
     # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
     # pointer tables, which dynamo cannot trace: a compiled opt.step() (or a compiled train step that
-    # calls it) graph-breaks here and runs the step eagerly, with identical results.
-    @torch.compiler.disable(reason="FusedAmpAdamW.step is already fused; it runs eagerly under torch.compile")
+    # calls it) graph-breaks here and runs the step eagerly, with identical results. torch's lazy
+    # form of torch.compiler.disable (what Optimizer.zero_grad uses): importing ampfused must not
+    # import torch._dynamo (seconds, and it probes triton).
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):
         """Perform a single optimization step (skipped, bitwise, when any gradient is inf/NaN).
