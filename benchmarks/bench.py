@@ -15,6 +15,7 @@ with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
    run, the speedup over each stock path, and peak memory.
 
 Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``*.png``.
+``python -m ampfused bench train [...]`` runs the end-to-end training benchmark (``bench_train.py``).
 """
 from __future__ import annotations
 
@@ -178,7 +179,12 @@ def warm_up(names, device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["train"]:  # `python -m ampfused bench train ...`: the end-to-end benchmark
+        from . import bench_train
+
+        return bench_train.main(argv[1:])
+    args = parse_args(argv)
     if args.triton_interpreter:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

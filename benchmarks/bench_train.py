@@ -1,0 +1,233 @@
+"""End-to-end training benchmark: a small byte-level GPT on the Python standard library's source.
+
+Run as ``python -m ampfused.benchmarks.bench_train`` (or ``python -m ampfused bench train``).
+Every variant trains the same model from the same initial weights on the same batches, with
+gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1.0:
+
+* ``fp32`` -- no autocast, fp32 params, ``torch.optim.AdamW(fused=True)``: the reference run;
+* ``torch-amp`` -- autocast + ``torch.amp.GradScaler`` + ``unscale_`` + ``clip_grad_norm_`` +
+  ``AdamW(fused=True)`` (the stock mixed-precision recipe);
+* ``ampfused-fp32-params`` -- autocast + ``ampfused.GradScaler`` + ``FusedAmpAdamW(max_grad_norm=1)``;
+* ``ampfused-<bf16|fp16>-params`` -- the model itself in the autocast dtype, fp32 master weights in
+  the optimizer and fp32 gradient accumulation (``p.main_grad``), same scaler and optimizer.
+
+The scaler is enabled only for fp16 (bf16 needs no loss scaling). Autocast dtype: bf16 on CPU,
+fp16 on CUDA (``--amp-dtype`` to change).
+
+Reported per variant: tokens/s, median step time, the optimizer step's share of it (time from the
+end of the last backward to the end of ``zero_grad``, with the device synchronized at both ends),
+peak memory, the final training loss (mean of the last 10% of steps) and the held-out loss.
+**Convergence parity**: the held-out loss of every mixed-precision variant must be within
+``--tolerance`` (1%) of the fp32 run's; the script prints ``parity: PASS`` or ``parity: FAIL`` and
+exits non-zero on FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ampfused
+
+from . import measure
+from .model import GPT, GPTConfig, batches, stdlib_corpus
+
+PRESETS = {
+    # micro_batch sequences of `context` bytes, `accum` micro-batches per step
+    "tiny": dict(model=GPTConfig(n_layer=1, n_head=2, d_model=32, context=32), micro_batch=4, accum=2, steps=40,
+                 corpus=300_000, eval_batches=8, lr=3e-3),
+    "cpu": dict(model=GPTConfig(n_layer=2, n_head=4, d_model=96, context=64), micro_batch=8, accum=4, steps=150,
+                corpus=2_000_000, eval_batches=24, lr=3e-3),
+    "gpu": dict(model=GPTConfig(n_layer=6, n_head=8, d_model=512, context=256), micro_batch=16, accum=4, steps=400,
+                corpus=30_000_000, eval_batches=32, lr=1e-3),
+}
+MAX_GRAD_NORM = 1.0
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ampfused.benchmarks.bench_train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join("bench-results", "train"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: gpu or cpu by device")
+    parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (the tests use it)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--amp-dtype", choices=sorted(AMP_DTYPES), default=None, help="default: bf16 on CPU, fp16 on CUDA")
+    parser.add_argument("--backend", default=None, help="ampfused backend (default: auto)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--tolerance", type=float, default=0.01, help="relative held-out loss difference allowed vs fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def build(variant: str, cfg: GPTConfig, device, amp_dtype, lr: float, backend, seed: int):
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device)
+    if variant.startswith("ampfused-") and not variant.endswith("fp32-params"):
+        model.to(amp_dtype)
+    kwargs = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    use_scaler = variant != "fp32" and amp_dtype == torch.float16
+    if variant.startswith("ampfused-"):
+        opt = ampfused.FusedAmpAdamW(model.parameters(), max_grad_norm=MAX_GRAD_NORM, backend=backend, **kwargs)
+        scaler = ampfused.GradScaler(device.type, enabled=use_scaler)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
+        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+    return model, opt, scaler
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backend, seed) -> dict:
+    model, opt, scaler = build(variant, preset["model"], device, amp_dtype, preset["lr"], backend, seed)
+    autocast = variant != "fp32"
+    accum, steps = preset["accum"], preset["steps"]
+    losses, step_times, opt_times = [], [], []
+    memory = measure.PeakMemory(device)
+    memory.start()
+    for step in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for k in range(accum):
+            x, y = train_batches[step * accum + k]
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+                loss = model(x, y) / accum
+            scaler.scale(loss).backward()
+            total += loss.detach()
+        sync(device)
+        t1 = time.perf_counter()
+        if not variant.startswith("ampfused-"):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        t2 = time.perf_counter()
+        losses.append(total)
+        step_times.append(t2 - t0)
+        opt_times.append(t2 - t1)
+    peak = memory.peak()
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+        eval_loss = sum(float(model(x, y)) for x, y in eval_batches) / len(eval_batches)
+    losses = torch.stack(losses).float().cpu().tolist()
+    timed = slice(min(2, steps - 1), None)  # the first steps include lazy initialisation
+    tokens_per_step = accum * train_batches[0][0].numel()
+    tail = max(1, steps // 10)
+    return {
+        "variant": variant,
+        "backend": getattr(opt, "backend", "torch"),
+        "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed]),
+        "step_ms": statistics.median(step_times[timed]) * 1e3,
+        "optimizer_share": sum(opt_times[timed]) / sum(step_times[timed]),
+        "peak_mem_mb": peak / 2**20,
+        "final_train_loss": sum(losses[-tail:]) / tail,
+        "eval_loss": eval_loss,
+        "losses": losses,
+    }
+
+
+def write_outputs(results, env, out, tolerance) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    columns = ["variant", "backend", "tokens_per_s", "step_ms", "optimizer_share", "peak_mem_mb", "final_train_loss",
+               "eval_loss", "rel_diff_vs_fp32", "parity"]
+    paths = [os.path.join(out, n) for n in ("train.csv", "train.md", "loss_curves.png", "train_curves.csv")]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns + list(env))
+        writer.writeheader()
+        for r in results:
+            writer.writerow({**{c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in columns}, **env})
+    lines = [
+        "# ampfused end-to-end training benchmark", "",
+        "- " + "; ".join(f"{k}: {v}" for k, v in env.items()), "",
+        "| variant | backend | tokens/s | step ms (median) | optimizer share | peak MiB | final train loss | held-out loss | vs fp32 | parity |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r['variant']} | {r['backend']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | "
+                     f"{100 * r['optimizer_share']:.1f}% | {r['peak_mem_mb']:.0f} | {r['final_train_loss']:.4f} | "
+                     f"{r['eval_loss']:.4f} | {100 * r['rel_diff_vs_fp32']:+.2f}% | {r['parity']} |")
+    lines += ["", f"parity: held-out loss within {100 * tolerance:.1f}% of the fp32 run's"]
+    with open(paths[1], "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(paths[3], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step"] + [r["variant"] for r in results])
+        for step, row in enumerate(zip(*(r["losses"] for r in results))):
+            writer.writerow([step] + [f"{v:.5f}" for v in row])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        ax.plot(r["losses"], label=f"{r['variant']} (held-out {r['eval_loss']:.3f})", linewidth=1)
+    ax.set(xlabel="optimizer step", ylabel="training loss (nats/byte)", title=f"Byte-level GPT on stdlib source — {env['hardware']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    preset = dict(PRESETS["tiny" if args.tiny else (args.preset or ("gpu" if device.type == "cuda" else "cpu"))])
+    if args.steps:
+        preset["steps"] = args.steps
+    amp_dtype = AMP_DTYPES[args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")]
+    lowp = "bf16" if amp_dtype == torch.bfloat16 else "fp16"
+    cfg = preset["model"]
+
+    data = stdlib_corpus(preset["corpus"])
+    split = int(0.9 * len(data))
+    micro = preset["micro_batch"]
+    train_batches = batches(data[:split], micro, cfg.context, preset["steps"] * preset["accum"], args.seed, device)
+    eval_batches = batches(data[split:], micro, cfg.context, preset["eval_batches"], args.seed + 1, device)
+    from .bench import environment
+
+    env = environment(device, threads)
+    env.update(model=f"{cfg.n_layer} layers, d={cfg.d_model}, context {cfg.context}, "
+               f"{sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M params",
+               batch=f"{preset['accum']} x {micro} x {cfg.context} bytes", steps=str(preset["steps"]),
+               amp_dtype=lowp, corpus=f"{len(data) / 1e6:.1f} MB of stdlib .py")
+    print("bench_train: " + "; ".join(f"{k}: {v}" for k, v in env.items()))
+
+    from tqdm import tqdm
+
+    variants = ["fp32", "torch-amp", "ampfused-fp32-params", f"ampfused-{lowp}-params"]
+    results = []
+    for variant in tqdm(variants, unit="run", file=sys.stderr):
+        results.append(train(variant, preset, train_batches, eval_batches, device, amp_dtype, args.backend, args.seed))
+    reference = results[0]["eval_loss"]
+    ok = True
+    for r in results:
+        r["rel_diff_vs_fp32"] = (r["eval_loss"] - reference) / reference
+        r["parity"] = "reference" if r["variant"] == "fp32" else ("PASS" if abs(r["rel_diff_vs_fp32"]) <= args.tolerance else "FAIL")
+        ok &= r["parity"] != "FAIL"
+    paths = write_outputs(results, env, args.out, args.tolerance)
+    with open(paths[1]) as f:
+        print(f.read())
+    print("wrote " + ", ".join(paths))
+    print(f"parity: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
