@@ -166,12 +166,13 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
         tl.debug_barrier()
         ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == n_programs - 1:
-            idx = tl.arange(0, TABLE_BLOCK).to(tl.int64)
-            while tl.min(idx, axis=0) < n_tensors:
+            table_first = n_tensors * 0
+            while table_first < n_tensors:
+                idx = table_first + tl.arange(0, TABLE_BLOCK)
                 in_range = idx < n_tensors
-                step_ptrs = tl.load(rows + idx * ROW + STEP, mask=in_range, other=0).to(tl.pointer_type(tl.float32))
+                step_ptrs = tl.load(rows + idx.to(tl.int64) * ROW + STEP, mask=in_range, other=0).to(tl.pointer_type(tl.float32))
                 tl.store(step_ptrs, tl.load(step_ptrs, mask=in_range, other=0.0, volatile=True) + 1.0, mask=in_range)
-                idx += TABLE_BLOCK
+                table_first += TABLE_BLOCK
             tl.store(retired_ptr, 0)
 
 

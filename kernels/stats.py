@@ -58,10 +58,11 @@ def _grad_stats_kernel(rows, chunks, inv_scale_ptr, sumsq_ptr, partials_ptr, ret
     ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == n_programs - 1:
         total = tl.zeros([TABLE_BLOCK], dtype=tl.float32)
-        idx = tl.arange(0, TABLE_BLOCK)
-        while tl.min(idx, axis=0) < n_programs:
+        table_first = n_programs * 0
+        while table_first < n_programs:
+            idx = table_first + tl.arange(0, TABLE_BLOCK)
             total += tl.load(partials_ptr + idx, mask=idx < n_programs, other=0.0, volatile=True)
-            idx += TABLE_BLOCK
+            table_first += TABLE_BLOCK
         tl.store(sumsq_ptr, tl.load(sumsq_ptr) + tl.sum(total, axis=0))
         tl.store(retired_ptr, 0)
 

@@ -1,0 +1,163 @@
+"""GPU-only checks (skipped without CUDA): no host sync in step(), CUDA-graph capture and replay of a
+full step, and the compiled Triton kernels at sizes the interpreter cannot afford.
+
+Backends are listed in GPU_BACKENDS; a backend not usable on this machine is skipped.
+"""
+import math
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import _backends, reference
+from ampfused.functional import Hyper
+
+pytestmark = pytest.mark.gpu
+
+GPU_BACKENDS = ["triton"]
+
+
+def require(backend):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    module, reason = _backends.probe(backend)
+    reason = reason or _backends._device_reason(module, torch.device("cuda"))
+    if reason:
+        pytest.skip(f"{backend} backend unavailable on cuda: {reason}")
+    return module
+
+
+def gpu_params(dtypes=(torch.float32, torch.bfloat16, torch.float16), shapes=((1000,), (4097,), (33, 3)), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to("cuda", d).requires_grad_() for s, d in zip(shapes, dtypes)]
+
+
+def grads_for(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    grads = [torch.randn(p.shape, generator=g).mul_(3.0).to("cuda", p.dtype) for p in params]
+    if step == 3:  # an overflowing step: skipped, bitwise
+        grads[1].view(-1)[7] = math.inf
+    return grads
+
+
+def bitwise_equal(a, b):
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_training_steps_never_sync(backend, dtype):
+    require(backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to("cuda", dtype)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0, backend=backend)
+    scaler = ampfused.GradScaler("cuda", init_scale=2.0 ** 10, enabled=dtype == torch.float16)
+    data = torch.randn(4, 8, 64, device="cuda", dtype=dtype)
+
+    def iteration():
+        for micro in data.split(2):  # two micro-batches: fp32 accumulation hooks run twice
+            scaler.scale(model(micro).float().pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    iteration()  # lazy state, pointer tables, Triton compilation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_replay_of_step_matches_eager(backend):
+    require(backend)
+    options = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, amsgrad=True, fp32_grad_accumulation=False, backend=backend)
+    eager_params = gpu_params()
+    graph_params = [p.detach().clone().requires_grad_() for p in eager_params]
+    eager = ampfused.FusedAmpAdamW(eager_params, **options)
+    graphed = ampfused.FusedAmpAdamW(graph_params, **options)
+    static_grads = [torch.zeros_like(p) for p in graph_params]
+    for p, g in zip(graph_params, static_grads):
+        p.grad = g
+
+    def eager_step(k):
+        for p, g in zip(eager_params, grads_for(eager_params, k)):
+            p.grad = g
+        eager.step()
+
+    def load_static(k):
+        for s, g in zip(static_grads, grads_for(graph_params, k)):
+            s.copy_(g)
+
+    # warm up on a side stream (lazy state, tables, compilation), as torch's CUDA-graph docs ask
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        load_static(0)
+        graphed.step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_step(0)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    graph_norm = graphed.grad_norm  # written by every replay
+
+    for k in range(1, 7):
+        load_static(k)
+        graph.replay()
+        eager_step(k)
+        torch.cuda.synchronize()
+        assert bitwise_equal(graph_norm, eager.grad_norm), f"step {k}: grad_norm"
+        assert math.isfinite(eager.grad_norm.item()) == (k != 3)
+        for i, (pe, pg) in enumerate(zip(eager_params, graph_params)):
+            assert bitwise_equal(pg.detach(), pe.detach()), f"step {k}: param {i}"
+            for key, value in eager.state[pe].items():
+                assert bitwise_equal(graphed.state[pg][key], value), f"step {k}: param {i} state {key}"
+    assert all(float(eager.state[p]["step"]) == 6.0 for p in eager_params)  # 7 steps, one skipped
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_large_and_many_tensors_match_reference(backend):
+    module = require(backend)
+    g = torch.Generator().manual_seed(1)
+    sizes = [3_000_001, 65537, 1025, 1] + [1 + i % 17 for i in range(2000)]
+    dtypes = [(torch.float32, torch.bfloat16, torch.float16)[i % 3] for i in range(len(sizes))]
+    hypers = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, False, False), Hyper(torch.tensor(2e-3, device="cuda"), 0.8, 0.99, 1e-6, 0.1, True, True)]
+    hyper_of = [hypers[i % 2] for i in range(len(sizes))]
+    params = [torch.randn(n, generator=g).to("cuda", d) for n, d in zip(sizes, dtypes)]
+    state = dict(
+        params=params,
+        grads=[torch.randn(n, generator=g).to("cuda", d) for n, d in zip(sizes, dtypes)],
+        exp_avgs=[torch.randn(n, generator=g).mul_(0.1).cuda() for n in sizes],
+        exp_avg_sqs=[torch.rand(n, generator=g).mul_(0.01).cuda() for n in sizes],
+        max_exp_avg_sqs=[torch.rand(n, generator=g).mul_(0.01).cuda() if h.amsgrad else None for n, h in zip(sizes, hyper_of)],
+        steps=list(torch.arange(len(sizes), dtype=torch.float32, device="cuda").unbind()),
+        masters=[p.float() if p.dtype != torch.float32 else None for p in params],
+    )
+    want = {k: [None if t is None else t.clone() for t in v] for k, v in state.items()}
+    factor, skip = torch.tensor(0.3, device="cuda"), torch.tensor(0.0, device="cuda")
+    module.adamw_update_(*state.values(), hyper_of, factor, skip)
+    reference.adamw_update_(*want.values(), hyper_of, factor, skip)
+    for key in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps"):
+        for a, b in zip(state[key], want[key]):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for p, m in zip(state["params"], state["masters"]):
+        if m is not None:
+            assert bitwise_equal(p, m.to(p.dtype))
+
+    # stats: one launch over ~1300 programs; fixed-order reduction, so bitwise reproducible
+    sums = []
+    for _ in range(10):
+        sumsq = torch.zeros((), device="cuda")
+        module.grad_stats_(state["grads"], torch.tensor(0.5, device="cuda"), sumsq)
+        sums.append(sumsq)
+    exact = sum(float(g.double().mul(0.5).pow(2).sum()) for g in state["grads"])
+    assert abs(sums[0].item() - exact) <= 1e-5 * exact
+    assert all(bitwise_equal(s, sums[0]) for s in sums)
