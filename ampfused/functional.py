@@ -83,7 +83,12 @@ def fused_amp_adamw(
         for v, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay"), (amsgrad, "amsgrad"), (maximize, "maximize"))
     ]
     hypers = [Hyper(*row) for row in zip(*columns)]
-    module = _backends.resolve(backend, params[0].device)[0] if n else None
+    for i, h in enumerate(hypers):  # validate everything before the first write
+        if h.amsgrad and max_exp_avg_sqs[i] is None:
+            raise ValueError(f"amsgrad is set for tensor {i} but max_exp_avg_sqs[{i}] is None")
+    if n == 0:
+        return torch.zeros(()), torch.zeros(())
+    module = _backends.resolve(backend, params[0].device)[0]
     return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
 
 

@@ -175,14 +175,17 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None:
-            super().update(new_scale)
-            return
         found_infs = [f.to(device=scale.device, non_blocking=True)
                       for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        if not found_infs:
+        found = torch.stack([f.reshape(()) for f in found_infs]).sum() != 0 if found_infs else None
+        if new_scale is not None:  # the user sets the scale; skipped steps still count
+            if found is not None:
+                self._skipped_steps.add_(found.long())
+                self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
+            super().update(new_scale)
+            return
+        if found is None:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = torch.stack([f.reshape(()) for f in found_infs]).sum() != 0
         hysteresis_left = torch.where(found, self._hysteresis_tracker - 1, self._hysteresis_tracker)
         back_off = found & (hysteresis_left <= 0)
         good_steps = torch.where(found, 0, growth_tracker + 1)
