@@ -166,7 +166,7 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
         tl.debug_barrier()
         ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == n_programs - 1:
-            table_first = n_tensors * 0
+            table_first = tl.program_id(0) * 0  # a run-time zero even when n_tensors == 1 is specialized to a constant
             while table_first < n_tensors:
                 idx = table_first + tl.arange(0, TABLE_BLOCK)
                 in_range = idx < n_tensors

@@ -58,7 +58,7 @@ def _grad_stats_kernel(rows, chunks, inv_scale_ptr, sumsq_ptr, partials_ptr, ret
     ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == n_programs - 1:
         total = tl.zeros([TABLE_BLOCK], dtype=tl.float32)
-        table_first = n_programs * 0
+        table_first = tl.program_id(0) * 0  # a run-time zero even when n_programs == 1 is specialized to a constant
         while table_first < n_programs:
             idx = table_first + tl.arange(0, TABLE_BLOCK)
             total += tl.load(partials_ptr + idx, mask=idx < n_programs, other=0.0, volatile=True)
