@@ -42,8 +42,8 @@ def _load() -> tuple[object | None, str]:
             return None, f"ampfused._C is not built (pure-Python install): {BUILD_HINT}"
         return None, f"ampfused._C failed to import: {exc}"
     except ImportError as exc:  # undefined symbol, wrong ABI, missing libtorch_cuda, ...
-        return None, (f"ampfused._C failed to load ({exc}); it was probably built against another torch than "
-                      f"this {torch.__version__}: rebuild it ({BUILD_HINT})")
+        return None, (f"ampfused._C failed to load ({exc}): a broken or stale build, or one built against another "
+                      f"torch than this {torch.__version__}; rebuild it ({BUILD_HINT})")
     except Exception as exc:  # a broken build must never break ampfused
         return None, f"ampfused._C failed to load: {type(exc).__name__}: {exc}"
     missing = [op for op in OPS if not hasattr(torch.ops.ampfused, op)]
