@@ -30,7 +30,6 @@ fi
 command -v nvcc >/dev/null 2>&1 || { echo "cuda_build: no nvcc found (PATH, /usr/local/cuda*/bin)" >&2; exit 1; }
 say "nvcc: $(command -v nvcc) ($(nvcc --version | grep -o 'release [0-9.]*'))"
 CUOBJDUMP="$(command -v cuobjdump || ls /usr/local/cuda/bin/cuobjdump /usr/local/cuda-*/bin/cuobjdump 2>/dev/null | head -1 || true)"
-export CUOBJDUMP
 
 # --- venv with a CUDA build of torch
 want="${TORCH_SPEC#torch==}"
@@ -43,6 +42,9 @@ else
 fi
 "$VENV/bin/pip" install -q ninja pytest numpy setuptools wheel 2>&1 | grep -v "is ignored" || true
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'not a CUDA build of torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+# a toolkit without cuobjdump: Triton's wheel ships one
+[ -n "$CUOBJDUMP" ] || CUOBJDUMP="$(ls "$VENV"/lib/python*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -1 || true)"
+export CUOBJDUMP
 say "venv ready"
 
 # --- build from a copy of the tracked tree (plus untracked, unignored files)
