@@ -1,0 +1,1 @@
+"""Optional integration tests (see conftest.py)."""
