@@ -12,20 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ampfused import _backends  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def available_backends(device=DEVICE):
-    names = []
-    for name in _backends.BACKEND_NAMES:
-        try:
-            _backends.resolve(name, device)
-        except RuntimeError:
-            continue
-        names.append(name)
-    return names
-
+from helpers import DEVICE, available_backends  # noqa: E402
 
 BACKENDS = available_backends()
 

@@ -1,6 +1,22 @@
 """Helpers shared by the semantic tests: tolerances per backend and state comparison."""
 import torch
 
+from ampfused import _backends
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def available_backends(device=DEVICE):
+    """Names of the backends that can serve tensors on ``device`` in this process."""
+    names = []
+    for name in _backends.BACKEND_NAMES:
+        try:
+            _backends.resolve(name, device)
+        except RuntimeError:
+            continue
+        names.append(name)
+    return names
+
 # The reference backend reproduces torch.optim.AdamW's single-tensor CPU path bit for bit; kernel
 # backends fuse the same math in a different order, so they get fp32-rounding tolerances.
 TOLERANCES = {"reference": dict(rtol=1e-6, atol=1e-7)}
