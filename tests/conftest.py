@@ -4,6 +4,7 @@ The test device is the GPU when there is one, else the CPU. On a CPU machine the
 run through the Triton interpreter, which must be switched on before they are imported.
 """
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The optional integration group (real trainers, inductor) is collected only when asked for:
+    `pytest tests/integration` or AMPFUSED_INTEGRATION=1 (what .ci/integration.sh does)."""
+    if collection_path == Path(__file__).parent / "integration":
+        asked = os.environ.get("AMPFUSED_INTEGRATION") == "1" or any("integration" in str(a) for a in config.args)
+        return None if asked else True
+    return None
