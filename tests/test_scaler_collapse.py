@@ -85,9 +85,10 @@ def test_count_survives_state_dict_pickle_and_deepcopy(backend, device):
     drive(scaler, [1] * 6, backend, device)
     state = scaler.state_dict()
     assert state["consecutive_skipped_steps"] == 6
-    for resumed in (ampfused.GradScaler(device.type, collapse_threshold=8), pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
-        if not resumed.consecutive_skipped_steps:
-            resumed.load_state_dict(state)
+    from_state_dict = ampfused.GradScaler(device.type, collapse_threshold=8)
+    from_state_dict.load_state_dict(state)
+    # each copy must carry the count by itself (only the fresh scaler gets load_state_dict)
+    for resumed in (from_state_dict, pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
         assert resumed.consecutive_skipped_steps == 6
         per_step, _, _ = drive(resumed, [1] * 3, backend, device)
         warned_at = [i for i, ws in enumerate(per_step) if ws]
