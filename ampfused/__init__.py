@@ -2,9 +2,9 @@
 
 Importing this package compiles nothing, patches nothing and probes no hardware.
 """
-from . import functional
+from . import checkpoint, functional
 from .optim import FusedAmpAdamW
 from .scaler import GradScaler
 
-__all__ = ["FusedAmpAdamW", "GradScaler", "functional"]
+__all__ = ["FusedAmpAdamW", "GradScaler", "checkpoint", "functional"]
 __version__ = "0.1.0"
