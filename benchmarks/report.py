@@ -165,6 +165,8 @@ def plot_bars(rows, sweep, group_key, value_key, ylabel, title, path) -> bool:
         ax.set_xticks(np.arange(len(groups)), groups, rotation=30, ha="right", fontsize=8)
         if value_key.startswith("speedup"):
             ax.axhline(1.0, color="gray", linewidth=0.8)
+        else:
+            ax.set_yscale("log")  # providers differ by orders of magnitude
         ax.set(ylabel=ylabel, title=cfg or "")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
