@@ -8,13 +8,16 @@ gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1
 * ``torch-amp`` -- autocast + ``torch.amp.GradScaler`` + ``unscale_`` + ``clip_grad_norm_`` +
   ``AdamW(fused=True)`` (the stock mixed-precision recipe);
 * ``ampfused-fp32-params`` -- autocast + ``ampfused.GradScaler`` + ``FusedAmpAdamW(max_grad_norm=1)``;
-* ``ampfused-<bf16|fp16>-params`` -- the model itself in the autocast dtype, fp32 master weights in
-  the optimizer and fp32 gradient accumulation (``p.main_grad``), same scaler and optimizer.
+* ``torch-<bf16|fp16>-params`` -- the model itself in the autocast dtype with the hand-written stock
+  recipe: ``AdamW(fused=True)`` on fp32 master copies, grads added into their fp32 ``.grad`` after
+  every backward, params copied back after the step (:class:`MasterWeights`);
+* ``ampfused-<bf16|fp16>-params`` -- the same model precision, with fp32 master weights in the
+  optimizer and fp32 gradient accumulation (``p.main_grad``), same scaler and optimizer.
 
 The scaler is enabled only for fp16 (bf16 needs no loss scaling). Autocast dtype: bf16 on CPU,
 fp16 on CUDA (``--amp-dtype`` to change).
 
-Reported per variant: tokens/s, median step time, the optimizer step's share of it (time from the
+Reported per variant: tokens/s (tokens per step / median step time), median step time, the optimizer step's share of it (time from the
 end of the last backward to the end of ``zero_grad``, with the device synchronized at both ends),
 peak memory, the final training loss (mean of the last 10% of steps) and the held-out loss.
 **Convergence parity**: the held-out loss of every mixed-precision variant must be within
@@ -41,8 +44,8 @@ PRESETS = {
     # micro_batch sequences of `context` bytes, `accum` micro-batches per step
     "tiny": dict(model=GPTConfig(n_layer=1, n_head=2, d_model=32, context=32), micro_batch=4, accum=2, steps=40,
                  corpus=300_000, eval_batches=8, lr=3e-3),
-    "cpu": dict(model=GPTConfig(n_layer=2, n_head=4, d_model=96, context=64), micro_batch=8, accum=4, steps=150,
-                corpus=2_000_000, eval_batches=24, lr=3e-3),
+    "cpu": dict(model=GPTConfig(n_layer=2, n_head=4, d_model=64, context=64), micro_batch=4, accum=4, steps=120,
+                corpus=2_000_000, eval_batches=32, lr=3e-3),
     "gpu": dict(model=GPTConfig(n_layer=6, n_head=8, d_model=512, context=256), micro_batch=16, accum=4, steps=400,
                 corpus=30_000_000, eval_batches=32, lr=1e-3),
 }
@@ -65,18 +68,41 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+class MasterWeights:
+    """The hand-written stock recipe for low-precision params: torch AdamW on fp32 master copies,
+    micro-batch grads accumulated into the masters' fp32 .grad after every backward."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters()]
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)
+
+    def accumulate(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad.add_(p.grad)
+            p.grad = None
+
+    def write_back(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+
+
 def build(variant: str, cfg: GPTConfig, device, amp_dtype, lr: float, backend, seed: int):
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    if variant.startswith("ampfused-") and not variant.endswith("fp32-params"):
+    if not variant.endswith("fp32-params") and variant not in ("fp32", "torch-amp"):
         model.to(amp_dtype)
+    if variant.startswith("torch-") and variant != "torch-amp":
+        model.master = MasterWeights(model)
     kwargs = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     use_scaler = variant != "fp32" and amp_dtype == torch.float16
     if variant.startswith("ampfused-"):
         opt = ampfused.FusedAmpAdamW(model.parameters(), max_grad_norm=MAX_GRAD_NORM, backend=backend, **kwargs)
         scaler = ampfused.GradScaler(device.type, enabled=use_scaler)
     else:
-        opt = torch.optim.AdamW(model.parameters(), fused=True, **kwargs)
+        master = getattr(model, "master", None)
+        opt = torch.optim.AdamW(master.masters if master else model.parameters(), fused=True, **kwargs)
         scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     return model, opt, scaler
 
@@ -89,6 +115,7 @@ def sync(device) -> None:
 def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backend, seed) -> dict:
     model, opt, scaler = build(variant, preset["model"], device, amp_dtype, preset["lr"], backend, seed)
     autocast = variant != "fp32"
+    master = getattr(model, "master", None)
     accum, steps = preset["accum"], preset["steps"]
     losses, step_times, opt_times = [], [], []
     memory = measure.PeakMemory(device)
@@ -102,15 +129,19 @@ def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backe
             with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
                 loss = model(x, y) / accum
             scaler.scale(loss).backward()
+            if master is not None:
+                master.accumulate()
             total += loss.detach()
         sync(device)
         t1 = time.perf_counter()
         if not variant.startswith("ampfused-"):
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            torch.nn.utils.clip_grad_norm_(master.masters if master else model.parameters(), MAX_GRAD_NORM)
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=master is None)
+        if master is not None:
+            master.write_back()
         sync(device)
         t2 = time.perf_counter()
         losses.append(total)
@@ -127,7 +158,7 @@ def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backe
     return {
         "variant": variant,
         "backend": getattr(opt, "backend", "torch"),
-        "tokens_per_s": tokens_per_step * len(step_times[timed]) / sum(step_times[timed]),
+        "tokens_per_s": tokens_per_step / statistics.median(step_times[timed]),  # median: robust to a busy machine
         "step_ms": statistics.median(step_times[timed]) * 1e3,
         "optimizer_share": sum(opt_times[timed]) / sum(step_times[timed]),
         "peak_mem_mb": peak / 2**20,
@@ -211,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    variants = ["fp32", "torch-amp", "ampfused-fp32-params", f"ampfused-{lowp}-params"]
+    variants = ["fp32", "torch-amp", "ampfused-fp32-params", f"torch-{lowp}-params", f"ampfused-{lowp}-params"]
     results = []
     for variant in tqdm(variants, unit="run", file=sys.stderr):
         results.append(train(variant, preset, train_batches, eval_batches, device, amp_dtype, args.backend, args.seed))
