@@ -52,7 +52,10 @@ if ! python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 
 # The whole suite runs on the GPU (conftest picks cuda as the test device, every backend that serves it).
-step tests 900 pytest tests -q -rs -x --junitxml="$OUT/tests.xml" -p no:cacheprovider
-(cd "$elsewhere" && step bench 1200 python -m ampfused bench --out "$OUT/bench")
-(cd "$elsewhere" && step train 900 python -m ampfused.benchmarks.bench_train --device cuda --out "$OUT/train")
+# GPU-only tests first (no sync, CUDA graphs, CUDA kernels vs reference), then the whole suite.
+step gpu_tests 600 pytest tests -q -rs -m gpu --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider
+step tests 900 pytest tests -q -rs --junitxml="$OUT/tests.xml" -p no:cacheprovider
+# The step benchmark (every backend vs stock fused/foreach, correctness gate first), then training.
+(cd "$elsewhere" && step bench 900 python -m ampfused bench --device cuda --sweeps configs,size --sizes 1M,100M,1B --out "$OUT/bench")
+(cd "$elsewhere" && step train 600 python -m ampfused bench train --device cuda --out "$OUT/train")
 cat "$summary"
