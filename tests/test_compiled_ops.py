@@ -393,3 +393,31 @@ def test_cuda_graph_capture_of_both_passes():
     torch.cuda.synchronize()
     assert_update_close(tensors, expected)
     assert [t.item() for t in tensors[5]] == [t.item() for t in expected[5]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_conversions_are_exact_for_every_bit_pattern(device):
+    """fp16 -> fp32 for all 65536 patterns, and fp32 -> fp16 round-to-nearest-even (ties, overflow,
+    subnormals, signed zero) exactly as Tensor.to, through accumulate and the master write-back."""
+    backend = backend_for(device)
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).to(device)
+    widened = torch.zeros(halves.numel(), device=device)
+    backend.accumulate_(widened, halves)
+    expected = halves.float()
+    nan = expected.isnan()
+    assert torch.equal(widened[~nan], expected[~nan]) and widened[nan].isnan().all()
+
+    finite = expected[~nan & expected.isfinite()].sort().values
+    gen = torch.Generator().manual_seed(0)
+    masters = torch.cat([
+        (finite[:-1] + finite[1:]) / 2,  # exact ties between neighbouring halves
+        torch.randn(50000, generator=gen).to(device) * 7e4, torch.randn(50000, generator=gen).to(device) * 1e-6,
+        torch.tensor([65504.0, 65519.0, 65520.0, 1e9, -1e9, 2.98e-8, 3e-8, -0.0, 0.0], device=device)])
+    weights = masters.clone()
+    params = torch.zeros(masters.numel(), dtype=torch.float16, device=device)
+    zeros = [torch.zeros_like(masters) for _ in range(3)]
+    no_change = Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)  # lr 0, zero grads: the master stays put
+    backend.adamw_update_([params], [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=device)],
+                          [masters], [no_change], torch.ones((), device=device), torch.zeros((), device=device))
+    assert torch.equal(masters, weights)
+    assert torch.equal(params.view(torch.int16), weights.to(torch.float16).view(torch.int16))
