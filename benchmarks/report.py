@@ -153,7 +153,9 @@ def plot_bars(rows, sweep, group_key, value_key, ylabel, title, path) -> bool:
     import numpy as np
 
     cfgs = list(dict.fromkeys(r["config"] for r in subset)) if sweep == "tensors" else [None]
-    fig, axes = plt.subplots(1, len(cfgs), figsize=(max(6, 1.1 * len(subset) / len(cfgs)) * len(cfgs) / max(1, len(cfgs) - 0.5), 4.5), squeeze=False)
+    n_groups = len(dict.fromkeys(group_key(r) for r in subset))
+    panel_width = min(14, max(6, 1.1 * n_groups / len(cfgs)))  # about an inch per bar group, readable widths
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(panel_width * len(cfgs), 4.5), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         part = [r for r in subset if cfg is None or r["config"] == cfg]
         groups = list(dict.fromkeys(group_key(r) for r in part))

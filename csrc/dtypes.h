@@ -58,12 +58,15 @@ AMPFUSED_HD float to_float(Half x) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(x.x));
 #else
-  // IEEE half -> float by exponent rebias (handles subnormals via a float multiply).
-  const uint32_t sign = static_cast<uint32_t>(x.x & 0x8000u) << 16;
-  const uint32_t rest = x.x & 0x7fffu;
-  const float special = bits_to_float(0x7f800000u | (rest & 0x3ffu) << 13);  // inf / nan
-  const float finite = bits_to_float(rest << 13) * 5.192296858534828e+33f;   // 2^112 rebias
-  const float mag = rest >= 0x7c00u ? special : finite;
+  // IEEE half -> float (the FP16 library's fp16_ieee_to_fp32_value). No intermediate is an fp32
+  // denormal, so the result is exact also when the caller runs with flush-to-zero /
+  // denormals-are-zero (torch.set_flush_denormal(True)): fp16 subnormals are normal fp32 values.
+  const uint32_t w = static_cast<uint32_t>(x.x) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 1.925929944387236e-34f;  // 2^-112
+  const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const float mag = two_w < (1u << 27) ? denormalized : normalized;
   return bits_to_float(sign | float_to_bits(mag));
 #endif
 }

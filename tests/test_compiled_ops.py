@@ -395,10 +395,20 @@ def test_cuda_graph_capture_of_both_passes():
     assert [t.item() for t in tensors[5]] == [t.item() for t in expected[5]]
 
 
+@pytest.fixture(params=[False, True], ids=["denormals", "flush-denormal"])
+def flush_denormal(request):
+    """Run with and without torch.set_flush_denormal(True) (FTZ/DAZ on the CPU), then restore."""
+    if request.param and not torch.set_flush_denormal(True):
+        pytest.fail("this x86 CPU does not support flush-to-zero")  # every x86-64 CPU with SSE3 does
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp16_conversions_are_exact_for_every_bit_pattern(device):
+def test_fp16_conversions_are_exact_for_every_bit_pattern(device, flush_denormal):
     """fp16 -> fp32 for all 65536 patterns, and fp32 -> fp16 round-to-nearest-even (ties, overflow,
-    subnormals, signed zero) exactly as Tensor.to, through accumulate and the master write-back."""
+    subnormals, signed zero) exactly as Tensor.to, through accumulate and the master write-back --
+    also under flush-to-zero, where fp16 subnormals (normal fp32 values) must survive."""
     backend = backend_for(device)
     halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).to(device)
     widened = torch.zeros(halves.numel(), device=device)
