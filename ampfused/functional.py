@@ -102,6 +102,9 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     sumsq = torch.zeros((), dtype=torch.float32, device=device)
     backend.grad_stats_(grads, inv_scale, sumsq)
     grad_norm = sumsq.sqrt()
+    # [note: one flag from the sum] an inf/NaN element makes the fp32 sum of squares non-finite, so
+    # the stats pass needs no separate flag. The sum also overflows when the unscaled norm exceeds
+    # ~1.8e19 with every element finite; such a step is skipped too (torch would clip it to zero).
     skip = ~torch.isfinite(grad_norm)
     if isinstance(found_inf, Tensor):
         skip |= found_inf.to(device=device, dtype=torch.float32).reshape(-1).sum() != 0
