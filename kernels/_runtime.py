@@ -8,6 +8,7 @@ most tensors through int64 pointer tables, which would then point at device memo
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,3 +59,25 @@ def _probe_cuda() -> str | None:
     if target.backend not in ("cuda", "hip"):
         return f"Triton targets {target.backend!r}, not a CUDA/HIP GPU"
     return None
+
+
+def launches_on(device_of):
+    """Decorator of a pass: run it with its tensors' CUDA device current.
+
+    [note: current device] Triton launches on ``torch.cuda.current_device()`` and its current
+    stream, while the tables are uploaded on the tensors' device: an optimizer on ``cuda:1`` with
+    ``cuda:0`` current would otherwise launch in the wrong context, unordered with its own grads.
+    """
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            device = device_of(*args, **kwargs)
+            if device.type != "cuda":
+                return fn(*args, **kwargs)
+            with torch.cuda.device(device):  # a no-op when it is current already; never synchronizes
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap

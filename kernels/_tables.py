@@ -54,6 +54,7 @@ class Tables:
 
 _cache: dict[str, OrderedDict] = {}
 _kept: dict[Hashable, object] = {}
+_built_in_capture: set[Hashable] = set()
 
 
 def capturing(device: torch.device) -> bool:
@@ -61,19 +62,29 @@ def capturing(device: torch.device) -> bool:
 
 
 def cached(kind: str, key: Hashable, device: torch.device, build: Callable[[], object]):
-    """The entry for ``key`` in the ``kind`` cache, built on a miss (small LRU, see the module note)."""
+    """The entry for ``key`` in the ``kind`` cache, built on a miss (small LRU, see the module note).
+
+    An entry *built* during a capture holds nothing until that graph first replays (its upload and
+    counter reset are only recorded), so eager calls never get it: they build their own.
+    """
+    now_capturing = capturing(device)
     entry = _kept.get(key)
-    if entry is not None:
+    if entry is not None and (now_capturing or key not in _built_in_capture):
         return entry
     lru = _cache.setdefault(kind, OrderedDict())
     entry = lru.get(key)
     if entry is None:
-        entry = lru[key] = build()
+        entry = build()
+        if now_capturing:
+            _kept[key] = entry
+            _built_in_capture.add(key)
+            return entry
+        lru[key] = entry
         while len(lru) > CACHE_SIZE:
             lru.popitem(last=False)
     else:
         lru.move_to_end(key)
-    if capturing(device):
+    if now_capturing:
         _kept[key] = lru.pop(key)
     return entry
 

@@ -35,6 +35,7 @@ def _accumulate_kernel(main_grad_ptr, grad_ptr, numel, GRAD_IS_BF16: tl.constexp
     tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs, mask=mask) + grad, mask=mask)
 
 
+@_runtime.launches_on(lambda main_grad, grad: main_grad.device)
 def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     """``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16 with as many elements), one launch."""
     if main_grad.dtype != torch.float32 or not main_grad.is_contiguous():

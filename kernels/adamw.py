@@ -176,6 +176,7 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
             tl.store(retired_ptr, 0)
 
 
+@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("skip", args[-1] if args else None).device)
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor: Tensor, skip: Tensor) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract."""
     if not params:

@@ -67,6 +67,7 @@ def _grad_stats_kernel(rows, chunks, inv_scale_ptr, sumsq_ptr, partials_ptr, ret
         tl.store(retired_ptr, 0)
 
 
+@_runtime.launches_on(lambda grads, inv_scale, sumsq: sumsq.device)
 def grad_stats_(grads, inv_scale: Tensor | None, sumsq: Tensor) -> None:
     """``sumsq += sum_i sum((grads[i].float() * inv_scale) ** 2)``; one launch, no host sync."""
     if not grads:

@@ -327,3 +327,29 @@ def test_kernels_compile_for_a_gpu_without_one():
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+
+
+def test_tables_built_during_capture_are_kept_and_never_served_eagerly(monkeypatch):
+    """A table built while a stream captures is only filled when the graph replays: eager calls must
+    build their own, captures must keep getting (and never free) the captured one."""
+    capturing = {"now": True}
+    monkeypatch.setattr(_tables, "capturing", lambda device: capturing["now"])
+    built = []
+
+    def build():
+        built.append(object())
+        return built[-1]
+
+    key = ("test-capture", len(built), id(build))
+    cpu = torch.device("cpu")
+    captured = _tables.cached("test", key, cpu, build)
+    capturing["now"] = False
+    eager = _tables.cached("test", key, cpu, build)
+    assert eager is not captured and len(built) == 2
+    assert _tables.cached("test", key, cpu, build) is eager
+    capturing["now"] = True
+    assert _tables.cached("test", key, cpu, build) is captured and len(built) == 2
+    capturing["now"] = False
+    for _ in range(3 * _tables.CACHE_SIZE):  # eager LRU churn never frees the captured entry
+        _tables.cached("test", object(), cpu, build)
+    assert _tables._kept[key] is captured

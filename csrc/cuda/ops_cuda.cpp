@@ -8,10 +8,16 @@
 // find theirs). Building one copies from pinned host memory with a non-blocking copy on the current
 // stream: nothing synchronizes, and the copy can be captured in a CUDA graph (the pinned buffer
 // lives as long as the table).
+//
+// [note: tables and CUDA graphs] A captured graph bakes a table's device addresses into its
+// launches, so a table used during capture moves out of the small LRU into a list that is never
+// freed. A table *built* during capture holds nothing until the graph first replays (its upload
+// and counter reset are only recorded), so eager calls never get it: they build their own.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -62,6 +68,7 @@ struct Table {
   int64_t chunk_offset = 0;
   int64_t n_chunks = 0;
   int grid = 1;
+  bool built_in_capture = false;  // empty until the capturing graph first replays
 
   const void* entries() const { return device.data_ptr(); }
   const Chunk* chunks() const { return reinterpret_cast<const Chunk*>(static_cast<const char*>(device.data_ptr()) + chunk_offset); }
@@ -95,22 +102,35 @@ std::shared_ptr<Table> build_table(std::vector<int64_t> key, const std::vector<E
 }
 
 // The cached table for `key`, built by `build` on a miss (most recently used first).
+// See [note: tables and CUDA graphs].
 template <typename Build>
 std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build) {
   static std::mutex mu;
-  static std::deque<std::shared_ptr<Table>> tables;
+  static std::deque<std::shared_ptr<Table>> tables;  // eager tables, LRU
+  static std::vector<std::shared_ptr<Table>> kept;   // used by a captured graph: never freed
   std::lock_guard<std::mutex> lock(mu);
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  for (const std::shared_ptr<Table>& t : kept) {
+    if (t->key == key && (capturing || !t->built_in_capture)) return t;
+  }
   for (auto it = tables.begin(); it != tables.end(); ++it) {
     if ((*it)->key == key) {
       std::shared_ptr<Table> hit = *it;
-      if (it != tables.begin()) {
-        tables.erase(it);
+      tables.erase(it);
+      if (capturing) {
+        kept.push_back(hit);
+      } else {
         tables.push_front(hit);
       }
       return hit;
     }
   }
   std::shared_ptr<Table> fresh = build();
+  if (capturing) {
+    fresh->built_in_capture = true;
+    kept.push_back(fresh);
+    return fresh;
+  }
   tables.push_front(fresh);
   if (tables.size() > kCachedTables) tables.pop_back();
   return fresh;
@@ -205,9 +225,12 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                    g.weight_decay};
     if (g.lr_tensor.has_value()) {
       const at::Tensor& lr = *g.lr_tensor;
-      if (lr.device() == device) {
-        // read on the device at kernel time: no sync, and graph replays see scheduler updates
-        at::Tensor lr_t = (lr.scalar_type() == at::kFloat || lr.scalar_type() == at::kDouble) ? lr : lr.to(at::kFloat);
+      if (lr.is_cuda()) {
+        // read on the device at kernel time: no sync, and graph replays see scheduler updates (an lr
+        // on another GPU is copied over on the stream; reading it on the host would synchronize)
+        at::Tensor lr_t = lr.device() == device && (lr.scalar_type() == at::kFloat || lr.scalar_type() == at::kDouble)
+                              ? lr
+                              : lr.to(device, at::kFloat);
         h.lr_ptr = lr_t.data_ptr();
         h.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64 : kLrF32;
         keep_alive.push_back(lr_t);

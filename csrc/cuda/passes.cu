@@ -59,8 +59,9 @@ __device__ bool last_block_done(unsigned int* counter) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
+    __threadfence();  // release: this block's partials and step reads happen before its ticket
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) __threadfence();  // acquire: the other blocks' writes are visible to what follows
   }
   __syncthreads();
   return last;
