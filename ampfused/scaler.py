@@ -178,10 +178,10 @@ class GradScaler(torch.amp.GradScaler):
         found_infs = [f.to(device=scale.device, non_blocking=True)
                       for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         found = torch.stack([f.reshape(()) for f in found_infs]).sum() != 0 if found_infs else None
-        if new_scale is not None:  # the user sets the scale; skipped steps still count
-            if found is not None:
-                self._skipped_steps.add_(found.long())
-                self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
+        if found is not None:  # skipped steps count whether the rules below or the user set the next scale
+            self._skipped_steps.add_(found.long())
+            self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
+        if new_scale is not None:
             super().update(new_scale)
             return
         if found is None:
@@ -198,8 +198,6 @@ class GradScaler(torch.amp.GradScaler):
         scale.copy_(new)
         growth_tracker.copy_(torch.where(grow, 0, good_steps))
         self._hysteresis_tracker.copy_(torch.where(grow, self._hysteresis, hysteresis_left))
-        self._skipped_steps.add_(found.long())
-        self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
         self._per_optimizer_states = self._per_optimizer_states.__class__(self._per_optimizer_states.default_factory)
         self._watch_collapse(scale)
 
