@@ -12,9 +12,9 @@ BENCH_EXTRA_HINT = 'pip install "ampfused[bench]"'
 def parse_size(text: str) -> int:
     """'4M' -> 4_000_000; K, M, B/G suffixes, plain integers, or a float with a suffix ('1.5M')."""
     units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
-    text = text.strip().upper()
+    text, upper = text.strip(), text.strip().upper()
     try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+        value = float(upper[:-1]) * units[upper[-1]] if upper and upper[-1] in units else float(upper)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 1.5B)") from None
     if not value >= 1 or value != value:
