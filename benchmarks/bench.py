@@ -191,16 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
     device = cli.pick_device(parser, args.device)
     plan_name = args.plan or ("quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu"))
-    args.threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(args.threads)
-    if device.type == "cpu":
-        torch.set_flush_denormal(True)  # see providers.py [note: synthesized gradients]
+    if args.sizes and "size" not in args.sweeps:
+        parser.error("--sizes sets the size sweep, which --sweeps leaves out")
     backends, skipped = ampfused_backends(device, args.backends, args.triton_interpreter)
     if args.backends and not backends:
         parser.error("--backends: none of the requested backends can run here: " +
                      "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    if args.sizes and "size" not in args.sweeps:
-        parser.error("--sizes sets the size sweep, which --sweeps leaves out")
+    args.threads = args.threads or len(os.sched_getaffinity(0))  # arguments checked: now change the process
+    torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # see providers.py [note: synthesized gradients]
     budget = BUDGETS[plan_name]
     if args.max_spread is not None:
         budget = measure.Budget(budget.min_s, budget.max_s, budget.min_samples, args.max_spread, budget.rounds)
