@@ -52,7 +52,7 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
         assert (r["host_ratio_vs_torch_fused"] != "") == r["provider"].startswith("ampfused-")
     assert {r["clip"] for r in host_rows} == {"True", "False"}
     fp32 = {r["provider"]: float(r["bytes_per_param"]) for r in rows if r["config"] == "fp32-scaled-clip"}
-    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 32  # DESIGN §4
+    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 32  # docs/design.md §4
     assert "| torch-fused |" in (out / "bench.md").read_text()
 
 
