@@ -10,10 +10,10 @@ with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
    (fp32 rtol 1e-5; low-precision params within one rounding step). A provider that fails is
    reported as FAILED, is not timed, and the command exits with status 1;
 3. time ``step()`` (what it contains: ``providers.py``) of all the providers that passed, and a
-   device copy of each byte count, **interleaved** (``measure.interleaved``), then check the
+   device stream (``a += b``, the roofline) of each byte count, **interleaved** (``measure.interleaved``), then check the
    weights are still finite;
 4. report median and p20/p80 ms per step, bytes moved per step (``providers.bytes_per_param``),
-   effective GB/s, the fraction of a device copy's GB/s at the same byte count, the speedup over
+   effective GB/s, the fraction of that roofline's GB/s, the speedup over
    each stock path, peak memory, the cores other processes kept busy meanwhile, and whether the
    timing is ``unstable`` (too few samples, or a p20-p80 spread above ``--max-spread``).
 
@@ -149,9 +149,9 @@ def run_case(case, names, device, args, budget, env, progress) -> list[dict]:
                        other_cores=other)
             copy = timings.get(f"copy {row['bytes_per_step']}")
             if copy is not None and not copy.error:
-                row["copy_gbps"] = copies[row["bytes_per_step"]].gbps(copy)
+                row["roofline_gbps"] = copies[row["bytes_per_step"]].gbps(copy)
                 if copy.unstable and not row["unstable"]:
-                    row["unstable"] = f"device copy: {copy.unstable}"
+                    row["unstable"] = f"roofline stream: {copy.unstable}"
         provider.close()
     copies.clear()
     progress.update(len(names))

@@ -25,7 +25,7 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = cpu_model() + f", {threads} threads"
+        hardware = cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "")
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": device.type,

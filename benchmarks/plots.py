@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 KEY = ("case names: fp32 / bf16 / fp16 = param dtype · x1 / x4 = micro-batches accumulated in fp32 · "
        "scaled = GradScaler on · clip = global-norm clipping at 1.0, noclip = none")
@@ -32,6 +33,14 @@ def _color(name):
 
 def _tick(config: str) -> str:
     return config.replace("-", "\n")
+
+
+def _log_ticks(ax, axis="y"):
+    """Plain numbers (0.5, 1, 2, 5, 10) on a log axis, not 2×10⁰."""
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(ticker.NullFormatter())
 
 
 def _finish(fig, path, title, hardware, key=None):
@@ -61,10 +70,11 @@ def _bars(ax, groups, names, value, err, dagger, log=True):
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=_color(name), error_kw={"linewidth": 0.8})
         for x, y, mark in zip(xs, ys, marks):
             if mark:
-                ax.annotate("†", (x, y), ha="center", va="bottom", fontsize=8)
+                ax.annotate("†", (x, y), xytext=(4, 1), textcoords="offset points", ha="left", va="bottom", fontsize=8)
     ax.set_xticks(range(len(groups)), [_tick(g) for g in groups], fontsize=7.5)
     if log:
         ax.set_yscale("log")
+        _log_ticks(ax)
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
@@ -76,7 +86,7 @@ def plot_configs(rows, path) -> bool:
     groups = list(dict.fromkeys(r["config"] for r in subset))
     names = _providers(subset)
     others = [n for n in names if n != "torch-fused"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(11, 1.25 * len(groups) * 2), 5))
+    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(groups)), 8.5))  # stacked: one x axis of names
 
     def speedup(g, n):
         r, f = cell.get((g, n)), cell.get((g, "torch-fused"))
@@ -119,11 +129,12 @@ def plot_size(rows, path) -> bool:
             lo = [r["gbps"] - r["bytes_per_step"] / (r["p80_ms"] * 1e6) for _, r in pts]
             hi = [r["bytes_per_step"] / (r["p20_ms"] * 1e6) - r["gbps"] for _, r in pts]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", markersize=4, capsize=2, label=name, color=_color(name))
-        copy = sorted({(r["numel"], r["copy_gbps"]) for r in part if r["provider"] == "torch-fused" and r["copy_gbps"] != ""})
+        copy = sorted({(r["numel"], r["roofline_gbps"]) for r in part if r["provider"] == "torch-fused" and r["roofline_gbps"] != ""})
         if copy:
-            ax.plot(*zip(*copy), linestyle="--", color="black", label="device copy of torch-fused's bytes (roofline)")
+            ax.plot(*zip(*copy), linestyle="--", color="black", label="device stream a += b, torch-fused's bytes (roofline)")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _log_ticks(ax)
         ax.set(title=cfg, xlabel="parameters (4 equal tensors)", ylabel="effective GB/s (modeled bytes / median time)")
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
@@ -178,6 +189,10 @@ def plot_host(rows, path) -> bool:
     right.set(xscale="log", yscale="log", xlabel="tensors (16 elements each)",
               ylabel="ampfused host time ÷ torch-fused's\n(log scale; < 1 = less host time)", title="ratio to stock, same clipping")
     for ax in (left, right):
+        _log_ticks(ax)
+        ax.xaxis.set_major_locator(ticker.FixedLocator(sorted({r["tensors"] for r in subset})))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
     _finish(fig, path, "Host time per optimizer step on tiny tensors (device work ≈ 0)", subset[0]["hardware"])

@@ -12,7 +12,7 @@ COLUMNS = [
     "date", "device", "hardware", "torch", "triton", "ampfused", "python", "threads", "plan",
     "sweeps", "case", "config", "param_dtype", "micro_batches", "loss_scaling", "clip", "family", "numel", "tensors",
     "provider", "status", "detail", "timer", "median_ms", "p20_ms", "p80_ms", "samples", "unstable",
-    "bytes_per_param", "bytes_per_step", "gbps", "copy_gbps", "roofline_frac",
+    "bytes_per_param", "bytes_per_step", "gbps", "roofline_gbps", "roofline_frac",
     "speedup_vs_torch_foreach", "speedup_vs_torch_fused", "host_ratio_vs_torch_fused", "peak_mem_mb", "state_mb",
     "other_cores", "loadavg",
 ]
@@ -32,7 +32,7 @@ def base_row(env: dict, case: configs.Case, provider: str) -> dict:
 
 
 def add_derived(rows: list[dict]) -> None:
-    """GB/s, fraction of the copy roofline, and speedups over the stock rows of the same case (host
+    """GB/s, fraction of the roofline stream, and speedups over the stock rows of the same case (host
     sweep: ampfused's host time over torch-fused's). A ratio taken against an unstable stock row
     makes the row unstable too: its headline number is no better than its baseline."""
     stock = {r["provider"]: r for r in rows if r["provider"] in STOCK_COLUMNS and r["status"] == "ok"}
@@ -44,7 +44,7 @@ def add_derived(rows: list[dict]) -> None:
                 r["host_ratio_vs_torch_fused"] = r["median_ms"] / stock["torch-fused"]["median_ms"]
         else:
             r["gbps"] = r["bytes_per_step"] / (r["median_ms"] * 1e-3) / 1e9
-            r["roofline_frac"] = r["gbps"] / r["copy_gbps"] if r["copy_gbps"] else ""
+            r["roofline_frac"] = r["gbps"] / r["roofline_gbps"] if r["roofline_gbps"] else ""
             for name, column in STOCK_COLUMNS.items():
                 if name in stock:
                     r[column] = stock[name]["median_ms"] / r["median_ms"]
@@ -85,7 +85,7 @@ def _gate(r) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| case | provider | ms/step median (p20–p80) | samples | timing | B/param | GB/s | % of copy | × torch-foreach | "
+        "| case | provider | ms/step median (p20–p80) | samples | timing | B/param | GB/s | % of roofline | × torch-foreach | "
         "× torch-fused | state MiB | peak MiB | other cores | gate |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -142,7 +142,7 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
         f"- {load_line(env)}; per row: 'other cores' during that case",
         f"- timing: {budget.min_samples}+ samples and {budget.min_s:g}+ s per timing, all providers of a case and the "
-        f"device copy interleaved (benchmarks/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
+        f"roofline stream interleaved (benchmarks/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
         f"{100 * budget.max_spread:.0f}% of the median",
     ]
     head += [f"- not measured: {name} ({why})" for name, why in skipped.items()]
@@ -150,7 +150,7 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         "- timed: one optimizer step's tail (micro-batch gradient folding, unscale, clip, AdamW, scaler update, "
         "low-precision write-back); see benchmarks/providers.py",
         "- B/param: modeled bytes moved per parameter (benchmarks/providers.py `bytes_per_param`); "
-        "% of copy: effective GB/s over a device copy's GB/s at the same byte count, measured in this run",
+        "% of roofline: effective GB/s over the GB/s of an in-place stream a += b moving the same bytes, timed interleaved with the providers",
         "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact); peak MiB: "
         "measured peak above the level before the provider was built (CUDA allocator; on CPU, approximate RSS growth)",
         "",

@@ -80,7 +80,8 @@ def bench_summary(rows: list[dict], env: dict) -> str:
 
 def train_summary(table: str, env: dict) -> str:
     return (f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}; "
-            f"`{env.get('command', 'python -m ampfused bench train')}` ({env.get('wall_s', '?')} s wall); "
+            f"`{env.get('command', 'python -m ampfused bench train')}` ({env.get('wall_s', '?')} s wall; other processes "
+            f"kept {env.get('other_cores', '?')} cores busy on average); "
             f"model {env.get('model', '?')}, {env.get('steps', '?')} steps of {env.get('batch', '?')}, "
             f"{env.get('amp_dtype', '?')} autocast.\n\n{table}")
 

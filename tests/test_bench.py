@@ -42,7 +42,7 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     host_rows = [r for r in rows if r["timer"] == "host"]
     assert device_rows and host_rows
     for r in device_rows:
-        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and float(r["copy_gbps"]) > 0
+        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and float(r["roofline_gbps"]) > 0
     for r in rows:
         assert r["torch"] and r["hardware"] and r["date"]
         assert int(r["samples"]) >= 5  # the quick plan's minimum, unless marked unstable for it
@@ -145,7 +145,7 @@ def _rows(unstable_stock: str):
     for name, ms, unstable in (("torch-fused", 2.0, unstable_stock), ("torch-foreach", 4.0, ""), ("ampfused-cpu", 1.0, "")):
         row = report.base_row(env, case, name)
         row.update(status="ok", timer="device", median_ms=ms, p20_ms=ms * 0.9, p80_ms=ms * 1.1, samples=20,
-                   unstable=unstable, copy_gbps=10.0, other_cores=0.5)
+                   unstable=unstable, roofline_gbps=10.0, other_cores=0.5)
         rows.append(row)
     report.add_derived(rows)
     return rows
