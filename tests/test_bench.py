@@ -208,3 +208,16 @@ def test_bench_train_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "train.csv").exists() and (out / "train.md").exists() and not (out / "loss_curves.png").exists()
     assert '`pip install "ampfused[bench]"` for loss_curves.png' in proc.stderr
+
+
+def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench-summary -->\nold table\n<!-- end -->\nmiddle\n<!-- train-summary -->\nold\n<!-- end -->\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.md").write_text("| new | bench |\n")
+    assert summary.main(["--bench", str(tmp_path / "b"), "--readme", str(readme)]) == 0
+    assert readme.read_text() == ("intro\n<!-- bench-summary -->\n| new | bench |\n<!-- end -->\nmiddle\n"
+                                  "<!-- train-summary -->\nold\n<!-- end -->\n")
+    with pytest.raises(SystemExit) as exit_info:  # a folder without a run is an argument error, not a traceback
+        summary.main(["--train", str(tmp_path / "missing"), "--readme", str(readme)])
+    assert exit_info.value.code == 2
