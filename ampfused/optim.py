@@ -370,7 +370,7 @@ class FusedAmpAdamW(Optimizer):
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale: Tensor, found_inf: Tensor) -> None:
         """Unscale every gradient this optimizer will read (main_grad included), for GradScaler.unscale_."""
-        from .reference import unscale_and_check_
+        from ._amp import unscale_and_check_
 
         work = self._grads_to_step()
         if self.max_grad_norm is None and any(self._owns_main_grad(p) for p, _, _ in work):

@@ -30,12 +30,18 @@ struct UpdateRange {
   int64_t end;
 };
 
+struct SumSq {
+  double sumsq;  // in double: a range's float blocks summed
+  bool bad;      // an element was inf/NaN
+};
+
 struct IsaKernels {
   const char* name;
   // dst[i] += float(src[i]) for i < n
   void (*accumulate)(float* dst, const void* src, int32_t src_dtype, int64_t n);
-  // sum over i < n of (float(g[i]) * inv_scale)^2, accumulated in float blocks, returned as double
-  double (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
+  // sum over i < n of (float(g[i]) * inv_scale)^2, accumulated in float blocks, returned as double,
+  // and whether any float(g[i]) * inv_scale was inf/NaN
+  SumSq (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
   void (*update)(const UpdateRange& range);
 };
 
