@@ -254,6 +254,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
         rows.rows, layout.chunks, groups[0], stats, layout.retired, rows.n_tensors, layout.n_chunks, *lr_args,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", num_warps=_runtime.NUM_WARPS,
+        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         enable_fp_fusion=False)
