@@ -361,3 +361,44 @@ def test_scaler_update_matches_reference(backend, min_scale):
         reference.scaler_update_(flag.clone(), *want, **rules)
         for a, b in zip(ours, want):
             assert torch.equal(a, b), (found, ours, want)
+
+
+# ------------------------------------------------------------------------ launches (GPU only)
+
+
+def _kernels_launched(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_at_most_three_launches_per_step(name, clip):
+    """DESIGN §4: stats (finish included) and update are one launch each whatever the tensor count,
+    GradScaler.update one more; nothing else launches on the steady-state path."""
+    try:
+        _backends.resolve(name, torch.device("cuda"))
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    gen = torch.Generator().manual_seed(15)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).cuda()) for n in [1 + 97 * i for i in range(150)]]
+    opt = ampfused.FusedAmpAdamW(params, backend=name, max_grad_norm=clip)
+    scaler = ampfused.GradScaler("cuda")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for _ in range(2):  # lazy state, tables, Triton compilation
+        scaler.scale(torch.ones((), device="cuda"))
+        scaler.step(opt)
+        scaler.update()
+    step = _kernels_launched(opt.step)
+    assert len(step) == 2, step
+    scaler.scale(torch.ones((), device="cuda"))
+    full = _kernels_launched(lambda: (scaler.step(opt), scaler.update()))
+    assert len(full) <= 3, full
