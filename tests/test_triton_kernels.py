@@ -188,3 +188,33 @@ def test_kernels_compile_for_a_gpu_without_one():
         pytest.skip("no ptxas in this Triton install")
     print(result.stdout)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def test_float_lr_changing_every_step_uploads_no_table():
+    """A scheduler assigning a new float lr each step: the lr travels as kernel arguments, so the
+    group table (and every other table) is found in the cache, nothing is built."""
+    from ampfused.functional import Hyper
+
+    _tables.clear()
+    params, grads = [torch.randn(300), torch.randn(7)], [torch.randn(300), torch.randn(7)]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    steps = [torch.zeros(()), torch.zeros(())]
+    built = []
+    real = _tables.cached
+
+    def counting(kind, key, device, build):
+        return real(kind, key, device, lambda: (built.append(kind), build())[1])
+
+    try:
+        _tables.cached = counting
+        for k in range(4):
+            hypers = [Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.01, False, False),
+                      Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.0, False, False)]  # decay / no-decay groups
+            kernels.adamw_update_(params, grads, state[0], state[1], [None, None], steps, [None, None], hypers,
+                                  torch.tensor([0.0, 0.0, 1.0, 0.0]))
+            if k == 0:
+                first = list(built)
+    finally:
+        _tables.cached = real
+    assert built == first, f"tables built after the first step: {built[len(first):]}"
+    assert [float(s) for s in steps] == [4.0, 4.0]
