@@ -98,9 +98,12 @@ def dense(t: Tensor) -> bool:
     """No gaps and no overlap: the elements fill ``numel`` consecutive slots from ``data_ptr()``."""
     if t.is_contiguous():
         return True
-    from torch._prims_common import is_non_overlapping_and_dense  # only for the rare strided tensor
-
-    return is_non_overlapping_and_dense(t)
+    expected = 1  # strides, smallest first, must be the running products of the sizes
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def same_flat_layout(t: Tensor, like: Tensor) -> bool:

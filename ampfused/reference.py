@@ -140,4 +140,4 @@ def scaler_update_(found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hys
     growth_tracker.copy_(torch.where(grow, 0, good_steps))
     hysteresis_tracker.copy_(torch.where(grow, hysteresis, hysteresis_left))
     if watch is not None:
-        watch.copy_(torch.stack([consecutive_skips.double(), scale.double()]))
+        watch.copy_(torch.stack([consecutive_skips.double().reshape(()), scale.double().reshape(())]))

@@ -236,7 +236,8 @@ class GradScaler(torch.amp.GradScaler):
             self._check_collapse()
 
     def _check_collapse(self) -> None:
-        count, scale = int(self._watch_host[0]), float(self._watch_host[1])
+        count, scale = self._watch_host.tolist()  # one read, not two indexing ops
+        count = int(count)
         if count < self._collapse_threshold:
             self._warned_at = 0
             return
