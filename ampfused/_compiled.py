@@ -1,6 +1,6 @@
 """The compiled backends ``"cpu"`` and ``"cuda"``: thin Python over the ops of ``ampfused._C``.
 
-The extension registers ``torch.ops.ampfused.{accumulate, grad_stats, adamw_update}`` with the
+The extension registers ``torch.ops.ampfused.{accumulate, grad_stats, adamw_update, scaler_update}`` with the
 dispatcher (CPU kernels always, CUDA kernels when it was built with them); this module loads it
 lazily, says why when it cannot, and adapts the backend passes of ``ampfused._backends`` to the op
 signatures.
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-OPS = ("accumulate", "grad_stats", "adamw_update")
+OPS = ("accumulate", "grad_stats", "adamw_update", "scaler_update")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLAG_AMSGRAD, FLAG_MAXIMIZE = 1, 2  # as csrc/ops_common.h
 BUILD_HINT = "run `pip install --no-build-isolation .` in an environment with torch to build it"
@@ -94,10 +94,36 @@ def get_backend(device_type: str):
     return CompiledBackend(device_type, module), ""
 
 
-def _as_kernel_input(t: Tensor) -> Tensor:
+def dense(t: Tensor) -> bool:
+    """No gaps and no overlap: the elements fill ``numel`` consecutive slots from ``data_ptr()``."""
+    if t.is_contiguous():
+        return True
+    expected = 1  # strides, smallest first, must be the running products of the sizes
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_flat_layout(t: Tensor, like: Tensor) -> bool:
+    """Element k of ``t``'s memory is element k of ``like``'s (as csrc/ops_common.cpp checks)."""
+    return (t.is_contiguous() and like.is_contiguous()) or (t.shape == like.shape and t.stride() == like.stride())
+
+
+def _as_kernel_input(t: Tensor, like: Tensor | None = None) -> Tensor:
+    """``t`` as the kernels can read it: a kernel dtype, dense, and laid out as ``like`` (the param).
+
+    [note: dense of any memory format] A channels_last grad of a channels_last param is used as it
+    is; only a grad whose strides differ from its param's is copied, into the param's strides.
+    """
     if t.dtype not in KERNEL_DTYPES:
         t = t.float()
-    return t if t.is_contiguous() else t.contiguous()
+    if like is None:
+        return t if dense(t) else t.contiguous()
+    if same_flat_layout(t, like):
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t.view(like.shape) if t.is_contiguous() else t.reshape(like.shape))
 
 
 class CompiledBackend:
@@ -121,13 +147,15 @@ class CompiledBackend:
         if main_grad.dtype != torch.float32 or not main_grad.is_contiguous() or grad.device != main_grad.device:
             main_grad.add_(grad)  # not a layout the kernel takes: the reference way
             return
-        torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad).view(main_grad.shape))
+        torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad, main_grad))
 
-    def grad_stats_(self, grads: Sequence[Tensor], inv_scale: Tensor | None, sumsq: Tensor) -> None:
-        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], inv_scale, sumsq)
+    def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+                    max_grad_norm: float | None, stats: Tensor) -> None:
+        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], grad_scale, found_inf,
+                                      None if max_grad_norm is None else float(max_grad_norm), stats)
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
-                      factor: Tensor, skip: Tensor) -> None:
+                      stats: Tensor) -> None:
         # Tensors share a group when their hyperparameters are equal (a tensor lr by identity), so
         # the kernels see a handful of groups whether the caller built one Hyper per group or per tensor.
         index: dict[tuple, int] = {}
@@ -157,9 +185,15 @@ class CompiledBackend:
         # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
         none = self._empty(params[0].device) if params else None
         torch.ops.ampfused.adamw_update(
-            list(params), [_as_kernel_input(g) for g in grads], list(exp_avgs), list(exp_avg_sqs),
+            list(params), [_as_kernel_input(g, p) for g, p in zip(grads, params)], list(exp_avgs), list(exp_avg_sqs),
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
-            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, factor, skip)
+            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats)
+
+    def scaler_update_(self, found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
+                       *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale) -> None:
+        torch.ops.ampfused.scaler_update(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps,
+                                         consecutive_skips, watch, float(growth_factor), float(backoff_factor),
+                                         int(growth_interval), int(hysteresis), None if min_scale is None else float(min_scale))
 
     def _empty(self, device: torch.device) -> Tensor:
         empty = self._empties.get(device)

@@ -1,15 +1,16 @@
 """The functional core of FusedAmpAdamW and the one place that dispatches to a backend.
 
-A step is two passes plus a few scalar ops that stay on the device:
+A step is two passes that talk through one small device vector, ``stats`` (fp32 [STATS_SIZE]):
 
-1. **stats** -- ``sumsq = sum((g / S)^2)`` over every gradient of every group;
-2. **finish** (0-d tensors) -- ``norm = sqrt(sumsq)``, ``skip = !isfinite(norm) or found_inf``,
-   ``factor = min(1, c / (norm + 1e-6)) / S``;
-3. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set.
+1. **stats** -- ``sumsq = sum((g / S)^2)`` and a flag for any inf/NaN element, over every gradient
+   of every group, then, in the same launch, the **finish**: ``norm = sqrt(sumsq)``,
+   ``skip = flag or found_inf``, ``factor = min(1, c / (norm + 1e-6)) / S``;
+2. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set.
+
+Nothing in between runs on the host or launches anything: a step is two launches on a GPU.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Sequence
 
 import torch
@@ -18,6 +19,9 @@ from torch import Tensor
 from . import _backends
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
+# Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
+NORM, SKIP, FACTOR, SUMSQ = 0, 1, 2, 3
+STATS_SIZE = 4
 
 
 class Hyper(NamedTuple):
@@ -93,27 +97,17 @@ def fused_amp_adamw(
 
 
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
-    """Stats pass, device-side finish, update pass. No host synchronization."""
+    """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
+    are 0-d views of one fresh device vector."""
     device = params[0].device
-    inv_scale = None
-    if grad_scale is not None:
-        # exactly the reciprocal torch.amp.GradScaler.unscale_ uses
-        inv_scale = grad_scale.to(device=device, dtype=torch.float64).reciprocal().float().reshape(())
-    sumsq = torch.zeros((), dtype=torch.float32, device=device)
-    backend.grad_stats_(grads, inv_scale, sumsq)
-    grad_norm = sumsq.sqrt()
-    # [note: one flag from the sum] an inf/NaN element makes the fp32 sum of squares non-finite, so
-    # the stats pass needs no separate flag. The sum also overflows when the unscaled norm exceeds
-    # ~1.8e19 with every element finite; such a step is skipped too (torch would clip it to zero).
-    skip = ~torch.isfinite(grad_norm)
-    if isinstance(found_inf, Tensor):
-        skip |= found_inf.to(device=device, dtype=torch.float32).reshape(-1).sum() != 0
-    elif found_inf:  # a plain number (torch.amp.GradScaler passes 0 when it checked no grads)
-        skip = torch.ones_like(skip)
-    factor = inv_scale if inv_scale is not None else torch.ones((), dtype=torch.float32, device=device)
-    if max_grad_norm is not None:
-        factor = factor * (max_grad_norm / (grad_norm + CLIP_EPS)).clamp_(max=1.0)
-    skipped = skip.float()
-    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor, skipped)
-    grad_norm = torch.where(skip & torch.isfinite(grad_norm), math.inf, grad_norm)
-    return grad_norm, skipped
+    if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
+        grad_scale = grad_scale.to(device=device, dtype=torch.float32)
+    if found_inf is not None and not isinstance(found_inf, Tensor):
+        # a plain number (torch.amp.GradScaler passes 0 when it checked no grads)
+        found_inf = torch.ones((), dtype=torch.float32, device=device) if found_inf else None
+    elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
+        found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
+    stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
+    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats)
+    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats)
+    return stats[NORM], stats[SKIP]

@@ -354,7 +354,7 @@ class FusedAmpAdamW(Optimizer):
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale: Tensor, found_inf: Tensor) -> None:
         """Unscale every gradient this optimizer will read, for GradScaler.unscale_ (fp16 and bf16 grads too)."""
-        from .reference import unscale_and_check_
+        from ._amp import unscale_and_check_
 
         work = self._grads_to_step()
         if work:

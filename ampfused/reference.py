@@ -7,10 +7,13 @@ the price is temporaries, which is fine for an oracle and a fallback.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from .functional import CLIP_EPS, FACTOR, NORM, SKIP, SUMSQ
 
 NAME = "reference"
 
@@ -24,16 +27,56 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     main_grad.add_(grad)
 
 
-def grad_stats_(grads: Sequence[Tensor], inv_scale: Tensor | None, sumsq: Tensor) -> None:
-    """``sumsq += sum((g * inv_scale)^2)`` over all grads, in fp32 (unscale first, as torch does)."""
+def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
+    """``1 / grad_scale`` exactly as torch.amp.GradScaler.unscale_ computes it (fp64, rounded to fp32)."""
+    return None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
+
+
+def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+                max_grad_norm: float | None, stats: Tensor) -> None:
+    """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
+    (unscale first, as torch does), then :func:`finish_`: see ``_backends`` for ``stats``."""
+    inv_scale = inv_scale_of(grad_scale)
+    sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
+    bad = torch.zeros((), dtype=torch.bool, device=stats.device)
     for grad in grads:
-        unscaled = grad.float() if inv_scale is None else grad.float() * inv_scale
-        sumsq.add_(torch.dot(unscaled.reshape(-1), unscaled.reshape(-1)))
+        u = grad.float().reshape(-1)
+        if inv_scale is not None:
+            u = u * inv_scale
+        sumsq.add_(torch.dot(u, u))
+        bad |= ~torch.isfinite(u).all()
+    stats[SUMSQ] = sumsq
+    stats[SKIP] = bad.float()
+    finish_(stats, grad_scale, found_inf, max_grad_norm)
 
 
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor: Tensor, skip: Tensor) -> None:
+def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None) -> None:
+    """The stats pass's epilogue from ``stats[SUMSQ]`` and the element flag ``stats[SKIP]``.
+
+    [note: skip only on elements] Only an inf/NaN element (or ``found_inf``) skips: a finite
+    gradient whose fp32 sum of squares overflows has norm inf, steps unclipped without clipping,
+    and with clipping gets ``coef = c / (inf + 1e-6) = 0`` -- both exactly what torch does.
+    Kernel backends run this in the last program of their stats launch; a distributed caller can
+    all-reduce ``stats[SUMSQ]`` and ``stats[SKIP]`` and run it again.
+    """
+    norm = stats[SUMSQ].sqrt()
+    skip = stats[SKIP] != 0
+    if found_inf is not None:
+        skip = skip | (found_inf.reshape(-1).sum() != 0)
+    inv_scale = inv_scale_of(grad_scale)
+    factor = inv_scale if inv_scale is not None else torch.ones((), dtype=torch.float32, device=stats.device)
+    if max_grad_norm is not None:
+        # torch.nn.utils.clip_grad_norm_'s clamp(max_norm / (total_norm + 1e-6), max=1)
+        factor = factor * (max_grad_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+    stats[NORM] = torch.where(skip & torch.isfinite(norm), math.inf, norm)  # a skipped step's norm is non-finite
+    stats[SKIP] = skip.float()
+    stats[FACTOR] = factor
+
+
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor) -> None:
     """One AdamW step per tensor; see ``_backends`` for the contract of every argument."""
-    keep = skip != 0
+    keep = stats[SKIP] != 0
+    factor = stats[FACTOR]
     for i in range(len(params)):
         _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i], hypers[i], factor, keep)
 
@@ -77,19 +120,24 @@ def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h
     step.copy_(torch.where(keep, step, step_new))
 
 
-def unscale_and_check_(grads: Sequence[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
-    """``g *= inv_scale`` in place for every grad and ``found_inf = 1`` if any is non-finite.
-
-    Any float dtype: torch's ``_amp_foreach_non_finite_check_and_unscale_`` is used where it
-    accepts the dtype, plain tensor ops elsewhere (bf16 on CUDA).
-    """
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for dtype, group in by_dtype.items():
-        if dtype == torch.bfloat16 and group[0].device.type == "cuda":
-            for grad in group:
-                found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(grad)).any().float()))
-                grad.copy_(grad.float() * inv_scale)
-        else:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+def scaler_update_(found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                   skipped_steps: Tensor, consecutive_skips: Tensor, watch: Tensor | None, *, growth_factor: float,
+                   backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float | None) -> None:
+    """GradScaler.update's rules on the device (see ``ampfused.GradScaler``); ``watch`` (fp64 [2] or
+    None) receives ``[consecutive_skips, scale]`` after the update, for the lazy collapse check."""
+    found = found_inf.reshape(-1).sum() != 0
+    skipped_steps.add_(found.long())
+    consecutive_skips.copy_(torch.where(found, consecutive_skips + 1, 0))
+    hysteresis_left = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
+    back_off = found & (hysteresis_left <= 0)
+    good_steps = torch.where(found, 0, growth_tracker + 1)
+    grow = good_steps == growth_interval
+    grown = scale * growth_factor
+    backed_off = scale * backoff_factor
+    if min_scale is not None:
+        backed_off = torch.clamp(backed_off, min=min_scale)
+    scale.copy_(torch.where(back_off, backed_off, torch.where(grow & torch.isfinite(grown), grown, scale)))
+    growth_tracker.copy_(torch.where(grow, 0, good_steps))
+    hysteresis_tracker.copy_(torch.where(grow, hysteresis, hysteresis_left))
+    if watch is not None:
+        watch.copy_(torch.stack([consecutive_skips.double().reshape(()), scale.double().reshape(())]))

@@ -3,6 +3,7 @@ unscales fp16 and bf16 gradients, and updates the scale on the device with hyste
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
@@ -11,7 +12,8 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from .optim import FusedAmpAdamW
-from .reference import unscale_and_check_
+from . import _backends
+from ._amp import unscale_and_check_
 
 
 class LossScaleCollapseWarning(RuntimeWarning):
@@ -171,39 +173,39 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ update
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
-        """Update the scale on the device (see the class docstring); never synchronizes."""
+        """Update the scale on the device (see the class docstring); never synchronizes.
+
+        [note: one launch] The rules run as the ``scaler_update_`` pass of the backend that serves
+        the scale's device (one kernel on a GPU, one op on the CPU), which also writes the
+        collapse watch's snapshot; the reference pass serves where a backend has none.
+        """
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
-        found_infs = [f.to(device=scale.device, non_blocking=True)
-                      for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
-        found = torch.stack([f.reshape(()) for f in found_infs]).sum() != 0 if found_infs else None
-        if found is not None:  # skipped steps count whether the rules below or the user set the next scale
-            self._skipped_steps.add_(found.long())
-            self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
-        if new_scale is not None:
+        found_infs = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        if new_scale is not None:  # skipped steps count whether the rules or the user set the next scale
+            if found_infs:
+                found = _one_flag(found_infs, scale.device) != 0
+                self._skipped_steps.add_(found.long())
+                self._consecutive_skips.copy_(torch.where(found, self._consecutive_skips + 1, 0))
             super().update(new_scale)
             return
-        if found is None:
+        if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update.")
-        hysteresis_left = torch.where(found, self._hysteresis_tracker - 1, self._hysteresis_tracker)
-        back_off = found & (hysteresis_left <= 0)
-        good_steps = torch.where(found, 0, growth_tracker + 1)
-        grow = good_steps == self._growth_interval
-        grown = scale * self._growth_factor
-        backed_off = scale * self._backoff_factor
-        if self._min_scale is not None:
-            backed_off = torch.clamp(backed_off, min=self._min_scale)
-        new = torch.where(back_off, backed_off, torch.where(grow & torch.isfinite(grown), grown, scale))
-        scale.copy_(new)
-        growth_tracker.copy_(torch.where(grow, 0, good_steps))
-        self._hysteresis_tracker.copy_(torch.where(grow, self._hysteresis, hysteresis_left))
+        if self._watch_device is None or self._watch_device.device != scale.device:
+            self._watch_device = torch.zeros(2, dtype=torch.float64, device=scale.device)
+        _scaler_pass(scale.device).scaler_update_(
+            _one_flag(found_infs, scale.device), scale, growth_tracker, self._hysteresis_tracker, self._skipped_steps,
+            self._consecutive_skips, self._watch_device, growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor, growth_interval=self._growth_interval, hysteresis=self._hysteresis,
+            min_scale=self._min_scale)
         self._per_optimizer_states = self._per_optimizer_states.__class__(self._per_optimizer_states.default_factory)
         self._watch_collapse(scale)
 
     # ------------------------------------------------------------------ collapse check
 
     def _reset_collapse_watch(self) -> None:
+        self._watch_device: Tensor | None = None  # [count, scale] written on the device by scaler_update_
         self._watch_host: Tensor | None = None  # [count, scale] on the host (pinned on CUDA)
         self._watch_event = None  # CUDA event recorded after the copy into _watch_host
         self._watch_pending = False
@@ -226,16 +228,16 @@ class GradScaler(torch.amp.GradScaler):
                 if self._watch_host is None:
                     self._watch_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
                     self._watch_event = torch.cuda.Event()
-                snapshot = torch.stack([self._consecutive_skips.double(), scale.double()])
-                self._watch_host.copy_(snapshot, non_blocking=True)
+                self._watch_host.copy_(self._watch_device, non_blocking=True)  # a copy, no kernel
                 self._watch_event.record()
                 self._watch_pending = True
         elif device.type == "cpu" or self._watch_updates % self._SLOW_CHECK_EVERY == 0:
-            self._watch_host = torch.stack([self._consecutive_skips.double(), scale.double()]).cpu()
+            self._watch_host = self._watch_device if device.type == "cpu" else self._watch_device.cpu()
             self._check_collapse()
 
     def _check_collapse(self) -> None:
-        count, scale = int(self._watch_host[0]), float(self._watch_host[1])
+        count, scale = self._watch_host.tolist()  # one read, not two indexing ops
+        count = int(count)
         if count < self._collapse_threshold:
             self._warned_at = 0
             return
@@ -294,5 +296,32 @@ class GradScaler(torch.amp.GradScaler):
             state["_hysteresis_tracker"] = None
             state["_skipped_steps"] = None
             state["_consecutive_skips"] = None
-            state.update(_watch_host=None, _watch_event=None, _watch_pending=False)  # events don't pickle
+            state.update(_watch_host=None, _watch_event=None, _watch_pending=False, _watch_device=None)  # events don't pickle
         return state
+
+
+def _one_flag(found_infs: list[Tensor], device: torch.device) -> Tensor:
+    """One fp32 flag on ``device``, non-zero when any of ``found_infs`` is (no op for the usual single flag)."""
+    if len(found_infs) == 1:
+        f = found_infs[0]
+        if f.device == device and f.dtype == torch.float32 and f.numel() == 1:
+            return f
+    return torch.stack([f.to(device=device, dtype=torch.float32, non_blocking=True).reshape(()) for f in found_infs]).sum()
+
+
+_scaler_passes: dict[tuple, Any] = {}
+
+
+def _scaler_pass(device: torch.device):
+    """The backend whose ``scaler_update_`` serves ``device`` (the reference where none has one)."""
+    key = (device, os.environ.get(_backends.ENV_VAR))
+    backend = _scaler_passes.get(key)
+    if backend is None:
+        try:
+            backend = _backends.resolve(None, device)[0]
+        except RuntimeError:
+            backend = None
+        if backend is None or not hasattr(backend, "scaler_update_"):
+            backend = _backends.probe("reference")[0]
+        backend = _scaler_passes[key] = backend
+    return backend

@@ -95,4 +95,72 @@ AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vma
 #endif
 }
 
+// ------------------------------------------------------------------ the finish of the stats pass
+
+// Slots of the stats vector (as ampfused/functional.py: NORM, SKIP, FACTOR, SUMSQ).
+constexpr int kStatsNorm = 0, kStatsSkip = 1, kStatsFactor = 2, kStatsSumsq = 3, kStatsSize = 4;
+constexpr float kClipEps = 1e-6f;  // torch.nn.utils.clip_grad_norm_'s epsilon
+
+// 1 / scale exactly as torch.amp.GradScaler computes it (in double, rounded to float); 1 without a scale.
+AMPFUSED_HD float inv_scale_of(const float* grad_scale) {
+  return grad_scale == nullptr ? 1.0f : static_cast<float>(1.0 / static_cast<double>(*grad_scale));
+}
+
+// [note: skip only on elements] `bad` says whether any unscaled element was inf/NaN; a finite sum
+// that overflowed is not one: its norm is inf and, with clipping, the coefficient 0 (as torch).
+// Writes stats[0..3]; reference.finish_ is the specification.
+AMPFUSED_HD void finish_stats(float sumsq, bool bad, const float* found_inf, float inv_scale, bool clip, float max_norm,
+                              float* stats) {
+#if defined(__CUDA_ARCH__)
+  const float norm = __fsqrt_rn(sumsq);
+#else
+  const float norm = std::sqrt(sumsq);
+#endif
+  const bool skip = bad || (found_inf != nullptr && *found_inf != 0.0f);
+  float factor = inv_scale;
+  if (clip) {
+    // torch: (max_norm / (norm + 1e-6)).clamp(max=1), where float / tensor is reciprocal() * max_norm
+    const float coef = AMPFUSED_MUL(1.0f / AMPFUSED_ADD(norm, kClipEps), max_norm);
+    factor = AMPFUSED_MUL(factor, coef < 1.0f || coef != coef ? coef : 1.0f);
+  }
+  const bool finite = norm - norm == 0.0f;
+  stats[kStatsNorm] = skip && finite ? INFINITY : norm;
+  stats[kStatsSkip] = skip ? 1.0f : 0.0f;
+  stats[kStatsFactor] = factor;
+  stats[kStatsSumsq] = sumsq;
+}
+
+// ------------------------------------------------------------------ GradScaler.update
+
+struct ScalerRules {
+  float growth_factor, backoff_factor, min_scale;  // min_scale used when has_min_scale
+  int64_t growth_interval;
+  int32_t hysteresis;
+  bool has_min_scale;
+};
+
+// One GradScaler.update (reference.scaler_update_ is the specification); watch gets
+// [consecutive skips, scale] for the scaler's lazy collapse check (nullptr: none).
+AMPFUSED_HD void scaler_update(float found_inf, float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                               int64_t* skipped_steps, int64_t* consecutive_skips, double* watch, const ScalerRules& r) {
+  const bool found = found_inf != 0.0f;
+  *skipped_steps += found ? 1 : 0;
+  *consecutive_skips = found ? *consecutive_skips + 1 : 0;
+  const int32_t hysteresis_left = found ? *hysteresis_tracker - 1 : *hysteresis_tracker;
+  const bool back_off = found && hysteresis_left <= 0;
+  const int32_t good_steps = found ? 0 : *growth_tracker + 1;
+  const bool grow = good_steps == r.growth_interval;
+  const float s = *scale;
+  const float grown = AMPFUSED_MUL(s, r.growth_factor);
+  float backed_off = AMPFUSED_MUL(s, r.backoff_factor);
+  if (r.has_min_scale) backed_off = backed_off < r.min_scale ? r.min_scale : backed_off;  // NaN stays NaN, as clamp
+  *scale = back_off ? backed_off : (grow && grown - grown == 0.0f ? grown : s);
+  *growth_tracker = grow ? 0 : good_steps;
+  *hysteresis_tracker = grow ? r.hysteresis : hysteresis_left;
+  if (watch != nullptr) {
+    watch[0] = static_cast<double>(*consecutive_skips);
+    watch[1] = static_cast<double>(*scale);
+  }
+}
+
 }  // namespace ampfused

@@ -126,6 +126,28 @@ def cuda_plan(torch) -> tuple[str | None, str]:
     return home, why
 
 
+def openmp_flags(torch) -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) that give ``at::parallel_for`` inside _C torch's own threads.
+
+    [note: OpenMP of torch] ATen's OpenMP backend inlines ``#pragma omp parallel`` into the
+    caller, so an extension compiled without ``-fopenmp`` runs every parallel_for on one thread.
+    We compile with it and link the libgomp torch ships (same soname, already loaded by
+    libtorch_cpu), never a second runtime; without a bundled one, the compiler's, which is what
+    torch was linked against then. A torch on its native thread pool needs neither.
+    """
+    info = torch.__config__.parallel_info()
+    if "parallel backend: OpenMP" not in info or sys.platform == "darwin" or os.name == "nt":
+        say("torch does not run ATen on OpenMP here: _C uses torch's own thread pool")
+        return [], []
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    bundled = sorted(f for f in os.listdir(lib) if re.fullmatch(r"libgomp(-[0-9a-f]+)?\.so(\.\d+)*", f)) if os.path.isdir(lib) else []
+    if bundled:
+        say(f"OpenMP: -fopenmp, linking torch's {os.path.join(lib, bundled[0])}")
+        return ["-fopenmp"], [os.path.join(lib, bundled[0])]
+    say("OpenMP: -fopenmp with the compiler's libgomp (torch bundles none)")
+    return ["-fopenmp"], ["-fopenmp"]
+
+
 def extension_kwargs() -> dict:
     if os.environ.get("AMPFUSED_BUILD_EXTENSION", "1").strip() == "0":
         say(f"AMPFUSED_BUILD_EXTENSION=0: pure-Python install; {HOW_TO}")
@@ -146,7 +168,9 @@ def extension_kwargs() -> dict:
     sources = [_source(s) for s in CPU_SOURCES]
     # [note: no -std] torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
     cxx = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
-    kwargs = dict(name="ampfused._C", include_dirs=[CSRC], extra_compile_args={"cxx": cxx})
+    openmp_cxx, openmp_link = openmp_flags(torch)
+    cxx += openmp_cxx
+    kwargs = dict(name="ampfused._C", include_dirs=[CSRC], extra_compile_args={"cxx": cxx}, extra_link_args=openmp_link)
     if cuda_home is not None:
         cpp_extension.CUDA_HOME = cuda_home
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):

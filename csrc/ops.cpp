@@ -15,12 +15,16 @@
 // `Tensor(a!)?[]` lists holding None (torch 2.13).
 TORCH_LIBRARY(ampfused, m) {
   m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
-  m.def("grad_stats(Tensor[] grads, Tensor? inv_scale, Tensor(a!) sumsq) -> ()");
+  m.def("grad_stats(Tensor[] grads, Tensor? grad_scale, Tensor? found_inf, float? max_grad_norm, Tensor(a!) stats) -> ()");
   m.def(
       "adamw_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
-      "Tensor factor, Tensor skip) -> ()");
+      "Tensor stats) -> ()");
+  m.def(
+      "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "
+      "float backoff_factor, int growth_interval, int hysteresis, float? min_scale) -> ()");
 }
 
 static struct PyModuleDef ampfused_c_module = {PyModuleDef_HEAD_INIT, "_C",

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "adamw_math.h"
+
 namespace ampfused {
 
 int32_t dtype_code(const at::Tensor& t, const char* what) {
@@ -15,11 +17,19 @@ int32_t dtype_code(const at::Tensor& t, const char* what) {
 
 namespace {
 
+// [note: dense of any memory format] The kernels walk param, grad and state as flat memory, so
+// element k of one is element k of the others exactly when their strides agree (channels_last
+// params with channels_last state and grads are fine).
+bool same_flat_layout(const at::Tensor& t, const at::Tensor& param) {
+  return (t.is_contiguous() && param.is_contiguous()) || (t.sizes() == param.sizes() && t.strides() == param.strides());
+}
+
 void check_like(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
   TORCH_CHECK(t.defined(), "ampfused: ", what, "[", i, "] is undefined");
   TORCH_CHECK(t.device() == param.device(), "ampfused: ", what, "[", i, "] is on ", t.device(), " but params[", i, "] is on ", param.device());
   TORCH_CHECK(t.numel() == param.numel(), "ampfused: ", what, "[", i, "] has ", t.numel(), " elements but params[", i, "] has ", param.numel());
-  TORCH_CHECK(t.is_contiguous(), "ampfused: ", what, "[", i, "] must be contiguous");
+  TORCH_CHECK(same_flat_layout(t, param), "ampfused: ", what, "[", i, "] must be laid out in memory as params[", i,
+              "] (both contiguous, or the same sizes and strides)");
 }
 
 void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
@@ -32,6 +42,18 @@ void check_scalar(const at::Tensor& t, const at::Device& device, const char* wha
   TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the tensors are on ", device);
 }
 
+void check_stats_vector(const at::Tensor& stats, const at::Device& device) {
+  TORCH_CHECK(stats.defined() && stats.numel() == kStatsSize && stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "ampfused: stats must be a contiguous float32 tensor of ", kStatsSize, " elements");
+  TORCH_CHECK(stats.device() == device, "ampfused: stats is on ", stats.device(), " but the tensors are on ", device);
+}
+
+void check_one(const at::Tensor& t, at::ScalarType dtype, const at::Device& device, const char* what) {
+  TORCH_CHECK(t.defined() && t.numel() == 1 && t.scalar_type() == dtype, "ampfused: ", what, " must be a one-element ",
+              dtype, " tensor");
+  TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the scale on ", device);
+}
+
 // An empty (or undefined) tensor stands for None in max_exp_avg_sqs / masters.
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
@@ -42,8 +64,7 @@ UpdateArgs collect_update(
     at::TensorList max_exp_avg_sqs, at::TensorList steps,
     at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
-    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
-    const at::Tensor& skip) {
+    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -67,13 +88,12 @@ UpdateArgs collect_update(
   }
   if (n == 0) return out;
   const at::Device device = params[0].device();
-  check_scalar(factor, device, "factor");
-  check_scalar(skip, device, "skip");
+  check_stats_vector(stats, device);
   out.tensors.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.defined() && p.device() == device, "ampfused: params[", i, "] is on ", p.device(), ", params[0] on ", device);
-    TORCH_CHECK(p.is_contiguous(), "ampfused: params[", i, "] must be contiguous");
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), "ampfused: params[", i, "] must be dense (no gaps, no overlap)");
     TORCH_CHECK(groups[i] >= 0 && static_cast<size_t>(groups[i]) < g, "ampfused: groups[", i, "] = ", groups[i], " is not a group index");
     const UpdateGroup& group = out.groups[groups[i]];
     check_like(grads[i], p, "grads", i);
@@ -110,15 +130,31 @@ UpdateArgs collect_update(
   return out;
 }
 
-void check_stats(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
-  TORCH_CHECK(sumsq.numel() == 1 && sumsq.scalar_type() == at::kFloat, "ampfused: sumsq must be a one-element float32 tensor");
-  const at::Device device = sumsq.device();
-  if (inv_scale.has_value()) check_scalar(*inv_scale, device, "inv_scale");
+void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, const at::Tensor& stats) {
+  const at::Device device = stats.device();
+  check_stats_vector(stats, device);
+  if (grad_scale.has_value()) check_scalar(*grad_scale, device, "grad_scale");
+  if (found_inf.has_value()) check_scalar(*found_inf, device, "found_inf");
   for (size_t i = 0; i < grads.size(); ++i) {
-    TORCH_CHECK(grads[i].device() == device, "ampfused: grads[", i, "] is on ", grads[i].device(), " but sumsq on ", device);
-    TORCH_CHECK(grads[i].is_contiguous(), "ampfused: grads[", i, "] must be contiguous");
+    TORCH_CHECK(grads[i].device() == device, "ampfused: grads[", i, "] is on ", grads[i].device(), " but stats on ", device);
+    TORCH_CHECK(grads[i].is_non_overlapping_and_dense(), "ampfused: grads[", i, "] must be dense (no gaps, no overlap)");
     dtype_code(grads[i], "grads");
   }
+}
+
+void check_scaler(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                  const at::Tensor& hysteresis_tracker, const at::Tensor& skipped_steps,
+                  const at::Tensor& consecutive_skips, const at::Tensor& watch) {
+  const at::Device device = scale.device();
+  check_one(scale, at::kFloat, device, "scale");
+  check_one(found_inf, at::kFloat, device, "found_inf");
+  check_one(growth_tracker, at::kInt, device, "growth_tracker");
+  check_one(hysteresis_tracker, at::kInt, device, "hysteresis_tracker");
+  check_one(skipped_steps, at::kLong, device, "skipped_steps");
+  check_one(consecutive_skips, at::kLong, device, "consecutive_skips");
+  TORCH_CHECK(watch.numel() == 2 && watch.scalar_type() == at::kDouble && watch.device() == device && watch.is_contiguous(),
+              "ampfused: watch must be a contiguous float64 tensor of 2 elements on ", device);
 }
 
 void check_accumulate(const at::Tensor& main_grad, const at::Tensor& grad) {

@@ -49,11 +49,15 @@ UpdateArgs collect_update(
     at::TensorList max_exp_avg_sqs, at::TensorList steps,
     at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
-    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
-    const at::Tensor& skip);
+    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats);
 
 // Checks for grad_stats; returns nothing, throws on bad input.
-void check_stats(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq);
+void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, const at::Tensor& stats);
+// Checks for scaler_update.
+void check_scaler(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                  const at::Tensor& hysteresis_tracker, const at::Tensor& skipped_steps,
+                  const at::Tensor& consecutive_skips, const at::Tensor& watch);
 void check_accumulate(const at::Tensor& main_grad, const at::Tensor& grad);
 
 }  // namespace ampfused

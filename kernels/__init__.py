@@ -1,11 +1,12 @@
 """Triton backend of ampfused (installed as ``ampfused.kernels``; relative imports only).
 
-Three passes, each one launch per device whatever the number of tensors; ``ampfused.reference``
+The passes, each one launch per device whatever the number of tensors; ``ampfused.reference``
 is their specification. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from ._runtime import NAME, supports
 from .accumulate import accumulate_
 from .adamw import adamw_update_
+from .scaler import scaler_update_
 from .stats import grad_stats_
 
-__all__ = ["NAME", "supports", "accumulate_", "grad_stats_", "adamw_update_"]
+__all__ = ["NAME", "supports", "accumulate_", "grad_stats_", "adamw_update_", "scaler_update_"]

@@ -21,11 +21,33 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "tr
 # elements a thread: two 16-byte vectors of fp32) and owns one CHUNK of one tensor, so a 1B-param
 # model is ~120k programs and a tensor of 10 elements is one. The interpreter pays per operation,
 # not per element, yet small sizes there make the test tensors cross block and chunk boundaries.
+# [note: update block] The update moves UPDATE_BLOCK = 512 elements per iteration: 4 a thread, one
+# 16-byte fp32 vector per tensor (1024 took 146 registers, 3 blocks an SM). That alone gives 80
+# registers (per-tensor scalars, six 64-bit addresses, dtype branches); UPDATE_MAXNREG caps it at 64,
+# full occupancy on sm_90 (16 blocks x 4 warps), for a 12-byte spill of loop-invariant scalars.
 if INTERPRET:
-    BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 256, 1024, 128, 1024
+    BLOCK, UPDATE_BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 256, 256, 1024, 128, 1024
 else:
-    BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 1024, 8192, 1024, 2048
+    BLOCK, UPDATE_BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 1024, 512, 8192, 1024, 2048
 NUM_WARPS = 4
+UPDATE_MAXNREG = None if INTERPRET else 64
+# [note: persistent stats] The stats launch has at most PROGRAMS_PER_SM programs per SM, each looping
+# over chunks, so the last program's final reduction adds ~1000 partials (one vector load), not one
+# per chunk (~820k at 7B). The interpreter gets a few programs, so the loop is still exercised.
+PROGRAMS_PER_SM = 6  # the stats kernel takes 72 registers: 7 blocks of 4 warps fit an SM
+INTERPRET_PROGRAMS = 3
+_sm_counts: dict[int, int] = {}
+
+
+def persistent_grid(n_chunks: int, device) -> int:
+    """Programs of a launch that loops over ``n_chunks`` chunks on ``device``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return max(1, min(n_chunks, INTERPRET_PROGRAMS))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(n_chunks, _sm_counts[index] * PROGRAMS_PER_SM, TABLE_BLOCK))
 
 _cuda_reason: dict[int, str | None] = {}
 

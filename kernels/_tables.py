@@ -1,24 +1,24 @@
 """Device-side tables that let one launch reach every tensor of a step.
 
-[note: pointer tables] A pass gets three small int64 device tables instead of one argument per tensor:
+[note: pointer tables] A pass gets small int64 device tables instead of one argument per tensor:
 
-* a *row table*, one row per tensor: raw addresses (``data_ptr()``) of the user's param and grad and
-  of the optimizer-owned views (``exp_avg``, ..., 0 for a missing one), the element count, dtype
-  codes and the index of the tensor's hyperparameter row;
-* a *chunk table*, one row per program: ``(tensor index, first element)``. Tensor ``i`` gets
-  ``ceil(numel_i / CHUNK)`` programs, so the grid is the total chunk count, any mix of sizes
-  balances, and 300 tiny tensors are 300 programs of one launch;
-* a *group table* (``adamw.py``), one row per distinct hyperparameter set.
+* a *chunk layout*, one row per CHUNK-sized piece of every tensor: ``(tensor index, first
+  element)``. It depends only on the element counts, so it is built once per set of sizes
+  (the 7B-shaped model: ~820k rows, tens of ms) and kept while sizes stay;
+* a *row table*, one row per tensor: raw addresses (``data_ptr()``) of the user's param and grad
+  and of the optimizer-owned views (``exp_avg``, ..., 0 for a missing one), the element count,
+  dtype codes, a per-tensor alignment flag and the index of the tensor's hyperparameter row. It
+  is O(tensors) bytes: when autograd allocates a new ``p.grad`` somewhere else only this table is
+  written again (one small non-blocking copy from pinned memory, no sync, no layout rebuild);
+* a *group table* (``adamw.py``), one row per distinct hyperparameter set, float lrs excluded
+  (they travel as kernel arguments).
 
 Kernels turn an address back into a typed pointer with ``addr.to(tl.pointer_type(tl.float32))``;
 the Triton 3.6 interpreter supports that cast (loads and stores through it work on CPU tensors),
 so CI exercises exactly the code the GPU runs.
 
-Building a table costs a host->device copy, so tables are cached, keyed on everything their content
-is made of (addresses, element counts, dtypes, group indices). The hot path only collects that key:
-no host sync, no per-tensor work beyond reading ``data_ptr()``/``numel()``/``dtype``. An address
-changes when autograd allocates a new ``p.grad`` somewhere else or the optimizer re-lays out its
-state; then the table is rebuilt (a non-blocking copy from pinned memory, no sync).
+Each kind of table is cached, keyed on everything it is made of. The hot path only collects the
+keys: no host sync, no per-tensor work beyond reading ``data_ptr()``/``numel()``/``dtype``.
 
 [note: cuda graphs] A captured graph bakes the table addresses into its kernel arguments, and the
 upload copy (when a table is built during capture) re-reads its pinned host source at each replay.
@@ -39,17 +39,24 @@ CACHE_SIZE = 8  # live entries per kind: enough for a few optimizers, small enou
 
 
 @dataclass
-class Tables:
-    """One launch's tables on the device, plus the scratch its "last program" logic needs."""
+class Layout:
+    """The chunk layout of one set of sizes, plus the scratch its "last program" logic needs."""
+
+    chunks: Tensor  # int64 [n_chunks, 2]: (tensor index, first element)
+    n_chunks: int
+    grid: int  # programs launched (a stats launch loops over chunks; an update launch has one per chunk)
+    retired: Tensor  # int32 [1], zero between launches: counts finished programs
+    partials: Tensor | None  # fp32 [2, grid]: per-program sum of squares and non-finite sum (stats)
+    host: Tensor | None  # pinned source of the upload, kept alive for graph replays
+
+
+@dataclass
+class Rows:
+    """The row table of one set of addresses."""
 
     rows: Tensor  # int64 [n_tensors, width]
-    chunks: Tensor  # int64 [n_programs, 2]: (tensor index, first element)
     n_tensors: int
-    n_programs: int
-    aligned: bool  # every address is 16-byte aligned: the kernels may use 16-byte vector accesses
-    retired: Tensor  # int32 [1], zero between launches: counts finished programs
-    partials: Tensor | None  # fp32 [n_programs]: one partial sum per program (stats pass)
-    host: Tensor | None  # pinned source of the upload, kept alive for graph replays
+    host: Tensor | None
 
 
 _cache: dict[str, OrderedDict] = {}
@@ -119,33 +126,43 @@ def chunk_layout(numels: Sequence[int], chunk: int) -> Tensor:
     return torch.stack([tensor_index, local * chunk], dim=1)
 
 
-def make_tables(rows: list[list[int]], numels: Sequence[int], device: torch.device, chunk: int, *, aligned: bool, partials: bool) -> Tables:
-    """Upload a row table and its chunk layout in one copy; allocate the launch scratch."""
-    host_rows = torch.tensor(rows, dtype=torch.int64)
-    host_chunks = chunk_layout(numels, chunk)
-    host = torch.cat([host_rows.reshape(-1), host_chunks.reshape(-1)])
-    data, pinned = upload(host, device)
-    n_rows = host_rows.numel()
-    n_programs = host_chunks.shape[0]
-    return Tables(
-        rows=data[:n_rows].view(len(rows), -1),
-        chunks=data[n_rows:].view(n_programs, 2),
-        n_tensors=len(rows),
-        n_programs=n_programs,
-        aligned=aligned,
-        retired=torch.zeros(1, dtype=torch.int32, device=device),
-        partials=torch.empty(n_programs, dtype=torch.float32, device=device) if partials else None,
-        host=pinned,
-    )
+def layout(kind: str, numels: tuple, device: torch.device, chunk: int, grid_of: Callable[[int], int] | None = None,
+           partials: bool = False) -> Layout:
+    """The cached chunk layout of tensors with ``numels`` elements (``grid_of(n_chunks)`` programs)."""
+    def build() -> Layout:
+        host = chunk_layout(numels, chunk)
+        data, pinned = upload(host.reshape(-1), device)
+        n_chunks = host.shape[0]
+        grid = grid_of(n_chunks) if grid_of else n_chunks
+        return Layout(chunks=data.view(n_chunks, 2), n_chunks=n_chunks, grid=grid,
+                      retired=torch.zeros(1, dtype=torch.int32, device=device),
+                      partials=torch.empty(2 * grid, dtype=torch.float32, device=device) if partials else None, host=pinned)
+
+    return cached(kind + "-layout", (kind, "layout", device, chunk, numels), device, build)
 
 
-def all_aligned(addresses, alignment: int = 16) -> bool:
-    return all(a % alignment == 0 for a in addresses)
+def row_table(kind: str, key: Hashable, device: torch.device, build_rows: Callable[[], list]) -> Rows:
+    """The cached row table for ``key``; ``build_rows()`` returns its rows (lists of int64)."""
+    def build() -> Rows:
+        host = torch.tensor(build_rows(), dtype=torch.int64)
+        data, pinned = upload(host, device)
+        return Rows(rows=data, n_tensors=host.shape[0], host=pinned)
+
+    return cached(kind + "-rows", (kind, "rows", device, key), device, build)
 
 
-def contiguous(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The tensors as given when contiguous (the optimizer guarantees it), else contiguous copies."""
-    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+def aligned(addresses, element_size: int) -> int:
+    """1 when every address allows 4-element vectors (16 bytes fp32, 8 bytes fp16/bf16), else 0.
+
+    [note: alignment per tensor] decided for each tensor's row, so one odd view no longer turns
+    off vector access for the whole launch.
+    """
+    return int(all(a % (4 * element_size) == 0 for a in addresses))
+
+
+def dense_inputs(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors as given when dense (any memory format), else contiguous copies."""
+    return [t if dense(t) else t.contiguous() for t in tensors]
 
 
 def check(t: Tensor, what: str, device: torch.device, dtypes) -> None:
@@ -154,5 +171,29 @@ def check(t: Tensor, what: str, device: torch.device, dtypes) -> None:
         raise ValueError(f"{what} is on {t.device}, but the step runs on {device}")
     if t.dtype not in dtypes:
         raise TypeError(f"{what} has dtype {t.dtype}; the Triton kernels take {', '.join(map(str, dtypes))}")
-    if not t.is_contiguous():
-        raise ValueError(f"{what} is not contiguous; the Triton kernels address tensors as flat memory")
+    if not dense(t):
+        raise ValueError(f"{what} is not dense (it has gaps or overlaps); the Triton kernels address tensors as flat memory")
+
+
+def dense(t: Tensor) -> bool:
+    """No gaps and no overlap: the elements fill ``numel`` consecutive slots from ``data_ptr()``."""
+    if t.is_contiguous():
+        return True
+    expected = 1  # strides, smallest first, must be the running products of the sizes
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_flat_layout(t: Tensor, like: Tensor) -> bool:
+    """Element k of ``t``'s memory is element k of ``like``'s (both contiguous, or equal strides)."""
+    return (t.is_contiguous() and like.is_contiguous()) or (t.shape == like.shape and t.stride() == like.stride())
+
+
+def as_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` as it is when laid out as ``like``, else a copy in ``like``'s strides (rare)."""
+    if same_flat_layout(t, like):
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t.reshape(like.shape))

@@ -24,15 +24,23 @@ from . import _runtime
 
 
 @triton.jit
-def _accumulate_kernel(main_grad_ptr, grad_ptr, numel, GRAD_IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    grad = tl.load(grad_ptr + offs, mask=mask, other=0)
+def _widen(grad, GRAD_IS_BF16: tl.constexpr):
     if GRAD_IS_BF16:  # passed as int16 bits, widened exactly: see the bf16 note in _memory.py
-        grad = (grad.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        return (grad.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return grad.to(tl.float32)
+
+
+@triton.jit
+def _accumulate_kernel(main_grad_ptr, grad_ptr, numel, GRAD_IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    if first + BLOCK <= numel:  # a full block: no mask, so 16-byte vectors whatever numel is
+        grad = _widen(tl.load(grad_ptr + offs), GRAD_IS_BF16)
+        tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs) + grad)
     else:
-        grad = grad.to(tl.float32)
-    tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs, mask=mask) + grad, mask=mask)
+        mask = offs < numel
+        grad = _widen(tl.load(grad_ptr + offs, mask=mask, other=0), GRAD_IS_BF16)
+        tl.store(main_grad_ptr + offs, tl.load(main_grad_ptr + offs, mask=mask) + grad, mask=mask)
 
 
 @_runtime.launches_on(lambda main_grad, grad: main_grad.device)

@@ -1,7 +1,7 @@
 """The update pass: AdamW on every tensor of every param group, in one launch.
 
-Grads are multiplied by the 0-d device tensor ``factor`` (clip coefficient / loss scale); when the
-0-d device flag ``skip`` is non-zero every program exits before writing anything. Math and order of
+Grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale, written by the stats
+pass on the device); when ``stats[SKIP]`` is non-zero every program exits before writing anything. Math and order of
 operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 
 Layout: a row table (one row per tensor) and a chunk table (one row per program) from ``_tables``,
@@ -10,6 +10,7 @@ the loops are ``while`` loops.
 """
 from __future__ import annotations
 
+import struct
 from itertools import chain
 
 import torch
@@ -22,12 +23,15 @@ from ._memory import load_f32, store_f32
 
 # Table columns (tl.constexpr so the kernel can name them; the builders below write rows in this order).
 # row table, one row per tensor: addresses first (0 = tensor absent), then size and codes
-PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MASTER, STEP, NUMEL, PARAM_DTYPE, GRAD_DTYPE, GROUP = map(tl.constexpr, range(11))
-ROW = tl.constexpr(11)
+PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MASTER, STEP, NUMEL, PARAM_DTYPE, GRAD_DTYPE, GROUP, ALIGNED_ROW = map(tl.constexpr, range(12))
+ROW = tl.constexpr(12)
 # group table, one row per distinct hyperparameter set: fp64 bit patterns, then the lr source and flags
 G_LR, G_BETA1, G_BETA2, G_EPS, G_WD, G_LR_ADDR, G_LR_KIND, G_FLAGS = map(tl.constexpr, range(8))
 GROUP_ROW = tl.constexpr(8)
-LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR = map(tl.constexpr, range(3))  # lr from the table / an fp32 / fp64 tensor
+# lr from the table / an fp32 / fp64 tensor / a kernel-argument slot (G_LR_ADDR holds the slot)
+LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR, LR_SLOT = map(tl.constexpr, range(4))
+LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
+SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)  # slots of the stats vector (as ampfused.functional)
 AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
 
 
@@ -57,16 +61,25 @@ def _bias_corrections(beta1, beta2, step):
 def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, param_addr, param_dtype, grad_addr,
                  grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
                  factor, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size):
-    """One block of one tensor: ``mask`` is None for a full block."""
-    g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED) * factor
-    if maximize:
-        g = g * -1.0  # Triton's unary minus is 0 - x, which loses the sign of zero that torch's neg keeps
+    """One block of one tensor: ``mask`` is None for a full block.
+
+    [note: loads first] Every load is issued before any math, so the block waits for memory once
+    (the round trips overlap) instead of once per dependent value.
+    """
+    g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED)
     if has_master:
         w = tl.load(master_ptr + offs, mask=mask)
     else:
         w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+    if amsgrad:
+        v_max = tl.load(max_sq_ptr + offs, mask=mask)
+    else:
+        v_max = v
+    g = g * factor
+    if maximize:
+        g = g * -1.0  # Triton's unary minus is 0 - x, which loses the sign of zero that torch's neg keeps
 
     w = w * decay
     # exp_avg.lerp_(g, 1 - beta1): torch computes self + w * (end - self) for |w| < 0.5, else
@@ -87,7 +100,7 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, p
         m = tl.fma(lerp_scale, g - m, lerp_base)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)
     if amsgrad:
-        v_max = tl.maximum(tl.load(max_sq_ptr + offs, mask=mask), v, propagate_nan=tl.PropagateNan.ALL)
+        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
         tl.store(max_sq_ptr + offs, v_max, mask=mask)
         root = tl.sqrt_rn(v_max)
     else:
@@ -111,11 +124,44 @@ def _fp32_ptr(addr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr, n_tensors, n_programs,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                         EMULATE_FMA: tl.constexpr):
+def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, param_addr,
+                  param_dtype, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr, amsgrad,
+                  maximize, factor, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size):
+    exp_avg_ptr = _fp32_ptr(exp_avg_addr, ALIGNED)
+    exp_avg_sq_ptr = _fp32_ptr(exp_avg_sq_addr, ALIGNED)
+    max_sq_ptr = _fp32_ptr(max_sq_addr, ALIGNED)
+    master_ptr = _fp32_ptr(master_addr, ALIGNED)
+    has_master = master_addr != 0
+    full_end = start + (end - start) // BLOCK * BLOCK
+    first = start
+    while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
+        offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        _adamw_block(offs, None, ALIGNED, EMULATE_FMA, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_ptr,
+                     exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, decay, lerp_weight,
+                     beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
+        first += BLOCK
+    if full_end < end:
+        offs = full_end + tl.arange(0, BLOCK)
+        _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_ptr,
+                     exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, decay, lerp_weight,
+                     beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
+
+
+@triton.jit
+def _slot_lr(slot, lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo):
+    """The fp64 lr of argument slot ``slot``, from its three exact fp32 parts (see ``_split_f64``)."""
+    hi = tl.where(slot == 0, lr0_hi, tl.where(slot == 1, lr1_hi, tl.where(slot == 2, lr2_hi, lr3_hi)))
+    mid = tl.where(slot == 0, lr0_mid, tl.where(slot == 1, lr1_mid, tl.where(slot == 2, lr2_mid, lr3_mid)))
+    lo = tl.where(slot == 0, lr0_lo, tl.where(slot == 1, lr1_lo, tl.where(slot == 2, lr2_lo, lr3_lo)))
+    return hi.to(tl.float64) + mid.to(tl.float64) + lo.to(tl.float64)
+
+
+@triton.jit
+def _adamw_update_kernel(rows, chunks, groups, stats_ptr, retired_ptr, n_tensors, n_programs,
+                         lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo,
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr):
     # early exit: a skipped step writes nothing at all (state stays bitwise unchanged)
-    if tl.load(skip_ptr) == 0:
+    if tl.load(stats_ptr + SKIP) == 0:
         pid = tl.program_id(0)
         tensor = tl.load(chunks + 2 * pid)
         start = tl.load(chunks + 2 * pid + 1)
@@ -130,6 +176,9 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
             lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float32))).to(tl.float64)
         elif lr_kind == LR_FP64_ADDR:
             lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float64)))
+        elif lr_kind == LR_SLOT:
+            lr = _slot_lr(tl.load(group + G_LR_ADDR), lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid,
+                          lr2_lo, lr3_hi, lr3_mid, lr3_lo)
         beta1 = tl.load(group + G_BETA1).to(tl.float64, bitcast=True)
         beta2 = tl.load(group + G_BETA2).to(tl.float64, bitcast=True)
         eps = tl.load(group + G_EPS).to(tl.float64, bitcast=True).to(tl.float32)
@@ -139,26 +188,18 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
         bias_correction1, bias_correction2_sqrt = _bias_corrections(beta1, beta2, step)
         neg_step_size = (lr / bias_correction1 * -1.0).to(tl.float32)  # -0.0 when lr == 0, as in torch
         decay = (1.0 - lr * weight_decay).to(tl.float32)
-        factor = tl.load(factor_ptr)
+        factor = tl.load(stats_ptr + FACTOR)
 
-        master_addr = tl.load(row + MASTER)
         block_args = (
             tl.load(row + PARAM), tl.load(row + PARAM_DTYPE), tl.load(row + GRAD), tl.load(row + GRAD_DTYPE),
-            _fp32_ptr(tl.load(row + EXP_AVG), ALIGNED), _fp32_ptr(tl.load(row + EXP_AVG_SQ), ALIGNED),
-            _fp32_ptr(tl.load(row + MAX_EXP_AVG_SQ), ALIGNED), _fp32_ptr(master_addr, ALIGNED), master_addr != 0,
+            tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
             (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, decay, (1.0 - beta1).to(tl.float32),
             beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
-
         end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
-        full_end = start + (end - start) // BLOCK * BLOCK
-        first = start
-        while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
-            offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-            _adamw_block(offs, None, ALIGNED, EMULATE_FMA, *block_args)
-            first += BLOCK
-        if full_end < end:
-            offs = full_end + tl.arange(0, BLOCK)
-            _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, *block_args)
+        if tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
+            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, *block_args)
+        else:
+            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, *block_args)
 
         # [note: steps advance last] Every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
@@ -176,53 +217,74 @@ def _adamw_update_kernel(rows, chunks, groups, factor_ptr, skip_ptr, retired_ptr
             tl.store(retired_ptr, 0)
 
 
-@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("skip", args[-1] if args else None).device)
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, factor: Tensor, skip: Tensor) -> None:
+def _split_f64(x: float) -> tuple[float, float, float]:
+    """Three fp32 values whose fp64 sum is exactly ``x`` (72 bits of mantissa hold its 53).
+
+    [note: float lr by value] Triton passes Python floats as fp32 kernel arguments; an lr that a
+    scheduler changes every step travels this way, so no table is uploaded for it.
+    """
+    hi = _f32(x)
+    mid = _f32(x - hi)
+    return hi, mid, _f32(x - hi - mid)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0] if abs(x) < 3.4e38 else x
+
+
+@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[-1] if args else None).device)
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract."""
     if not params:
         return
     device = params[0].device
-    grads = _tables.contiguous(grads)
-    group_of, group_keys, keep_alive = _group_rows(hypers, device)
-    key = ("update", device, group_of,
-           tuple((p.data_ptr(), p.numel(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, grads)),
+    grads = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
+    group_of, group_keys, slot_lrs, keep_alive = _group_rows(hypers, device)
+    numels = tuple(p.numel() for p in params)
+    layout = _tables.layout("update", numels, device, _runtime.CHUNK)
+    key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, grads)),
            tuple(t.data_ptr() for t in chain(exp_avgs, exp_avg_sqs, steps)),
            tuple(0 if t is None else t.data_ptr() for t in chain(max_exp_avg_sqs, masters)))
-    tables = _tables.cached("update", key, device, lambda: _build_update_tables(
+    rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device))
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
-    _adamw_update_kernel[(tables.n_programs,)](
-        tables.rows, tables.chunks, groups[0], factor, skip, tables.retired, tables.n_tensors, tables.n_programs,
-        BLOCK=_runtime.BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, ALIGNED=tables.aligned,
+    lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
+    _adamw_update_kernel[(layout.n_chunks,)](
+        rows.rows, layout.chunks, groups[0], stats, layout.retired, rows.n_tensors, layout.n_chunks, *lr_args,
+        BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", num_warps=_runtime.NUM_WARPS,
+        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         enable_fp_fusion=False)
 
 
 def _group_rows(hypers, device):
-    """(group index of every tensor, the distinct group keys, tensors those keys point into).
+    """(group index of every tensor, the distinct group keys, the float lrs of the argument slots,
+    tensors those keys point into).
 
-    [note: group table] A group key is the *value* of a hyperparameter set, with an lr tensor on
-    the params' device as its address: the kernel reads its current value, so LR schedulers that
-    update it in place need no re-upload and CUDA graphs see the new value at each replay. A float
-    lr (or an lr tensor on the CPU, read on the host: no device sync) is part of the key, so a
-    scheduler that assigns a new float makes a new key, whose tiny table is uploaded without a sync.
+    [note: group table] A group key is the *value* of a hyperparameter set, without a float lr:
+    the first LR_SLOTS distinct float lrs (or lr tensors on the CPU, read on the host: no device
+    sync) are kernel arguments, so a scheduler that assigns a new float every step uploads
+    nothing; only further distinct float lrs are part of the key (a rare re-upload, no sync). An
+    lr tensor on the params' device is in the key as its address: the kernel reads its current
+    value, so in-place scheduler updates and CUDA-graph replays see the new value.
     """
     key_of_hyper: dict[int, tuple] = {}
     index_of_key: dict[tuple, int] = {}
+    slot_of_lr: dict[float, int] = {}
     keep_alive: list[Tensor] = []
     group_of = []
     for h in hypers:
         key = key_of_hyper.get(id(h))
         if key is None:
-            key = key_of_hyper[id(h)] = _group_key(h, device, keep_alive)
+            key = key_of_hyper[id(h)] = _group_key(h, device, keep_alive, slot_of_lr)
         group_of.append(index_of_key.setdefault(key, len(index_of_key)))
-    return tuple(group_of), tuple(index_of_key), keep_alive
+    return tuple(group_of), tuple(index_of_key), list(slot_of_lr), keep_alive
 
 
-def _group_key(h, device, keep_alive) -> tuple:
+def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
     lr = h.lr
     kind, value, addr = int(LR_VALUE), lr, 0
     if isinstance(lr, Tensor):
@@ -235,6 +297,13 @@ def _group_key(h, device, keep_alive) -> tuple:
                 lr = lr.to(device=device, dtype=torch.float32)  # rare: keep the copy alive with the table
                 keep_alive.append(lr)
             kind, value, addr = int(LR_FP64_ADDR if lr.dtype == torch.float64 else LR_FP32_ADDR), 0.0, lr.data_ptr()
+    if kind == int(LR_VALUE):
+        value = float(value)
+        slot = slot_of_lr.get(value)
+        if slot is None and len(slot_of_lr) < LR_SLOTS:
+            slot = slot_of_lr[value] = len(slot_of_lr)
+        if slot is not None:
+            kind, value, addr = int(LR_SLOT), 0.0, slot
     flags = (int(AMSGRAD) if h.amsgrad else 0) | (int(MAXIMIZE) if h.maximize else 0)
     return (kind, float(value), addr, float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), flags)
 
@@ -246,7 +315,7 @@ def _build_group_table(keys, device, keep_alive):
     return table, pinned, keep_alive
 
 
-def _build_update_tables(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device):
+def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device):
     low = _tables.DTYPE_CODE
     fp32 = {torch.float32: 0}
     rows = []
@@ -264,9 +333,15 @@ def _build_update_tables(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, 
             raise ValueError(f"grads[{i}] must match params[{i}] ({p.numel()} elements) and steps[{i}] must be 0-d")
         if group_keys[group_of[i]][7] & int(AMSGRAD) and vmax is None:
             raise ValueError(f"params[{i}] is in an amsgrad group but max_exp_avg_sqs[{i}] is None")
-        rows.append([p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if vmax is None else vmax.data_ptr(),
-                     0 if master is None else master.data_ptr(), step.data_ptr(), p.numel(), low[p.dtype], low[g.dtype],
-                     group_of[i]])
-    aligned = _tables.all_aligned(a for r in rows for a in r[:6])
-    return _tables.make_tables(rows, [p.numel() for p in params], device, _runtime.CHUNK, aligned=aligned, partials=False)
+        for what, t in ((f"grads[{i}]", g), (f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax),
+                        (f"masters[{i}]", master)):
+            if t is not None and not _tables.same_flat_layout(t, p):
+                raise ValueError(f"{what} is not laid out in memory as params[{i}] (both contiguous, or equal strides)")
+        fp32_addrs = [a for a in (m.data_ptr(), v.data_ptr(), 0 if vmax is None else vmax.data_ptr(),
+                                  0 if master is None else master.data_ptr())]
+        aligned = _tables.aligned([p.data_ptr()], p.element_size()) & _tables.aligned([g.data_ptr()], g.element_size()) \
+            & _tables.aligned(fp32_addrs, 4)
+        rows.append([p.data_ptr(), g.data_ptr(), *fp32_addrs, step.data_ptr(), p.numel(), low[p.dtype], low[g.dtype],
+                     group_of[i], aligned])
+    return rows
 

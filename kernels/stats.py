@@ -1,7 +1,9 @@
-"""The stats pass: ``sumsq += sum over every grad of sum((g * inv_scale) ** 2)``, in one launch.
+"""The stats pass and its finish, in one launch (``ampfused.reference.grad_stats_`` is the spec).
 
-Inf/NaN anywhere make ``sumsq`` non-finite: that is how the step detects a step to skip
-(``ampfused.functional.run_step`` finishes norm, skip flag and clip factor on the device).
+Every program loops over chunks of the gradients and keeps two sums: of ``u * u`` and of
+``u - u`` (0 for every finite ``u``, NaN from the first inf/NaN on: the non-finite flag at the
+cost of one add). The last program to finish adds the partials in a fixed order and writes the
+stats vector: norm, skip flag, factor (loss scale and clip coefficient), sum of squares.
 
 [note: while] Loops with run-time bounds are ``while`` loops: ``for i in range(a, b)`` with tensor
 bounds crashes the Triton 3.6 interpreter under NumPy >= 2.4 (it calls ``int()`` on a 1-element
@@ -9,7 +11,6 @@ array), and CI checks these kernels in the interpreter. Compiled, both are the s
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -18,73 +19,107 @@ from . import _runtime, _tables
 from ._memory import load_f32
 
 # row table columns: one row per grad
-GRAD_ADDR, NUMEL, DTYPE = map(tl.constexpr, range(3))
-ROW = tl.constexpr(3)
+GRAD_ADDR, NUMEL, DTYPE, ALIGNED_ROW = map(tl.constexpr, range(4))
+ROW = tl.constexpr(4)
+# slots of the stats vector (as ampfused.functional)
+NORM, SKIP, FACTOR, SUMSQ = map(tl.constexpr, range(4))
+CLIP_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit
-def _grad_stats_kernel(rows, chunks, inv_scale_ptr, sumsq_ptr, partials_ptr, retired_ptr, n_programs,
-                       HAS_INV_SCALE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                       TABLE_BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    pid = tl.program_id(0)
-    tensor = tl.load(chunks + 2 * pid)
-    start = tl.load(chunks + 2 * pid + 1)
-    grad_addr = tl.load(rows + tensor * ROW + GRAD_ADDR)
-    dtype = tl.load(rows + tensor * ROW + DTYPE)
-    end = tl.minimum(start + CHUNK, tl.load(rows + tensor * ROW + NUMEL))
+def _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     full_end = start + (end - start) // BLOCK * BLOCK
-    inv_scale = 1.0
-    if HAS_INV_SCALE:
-        inv_scale = tl.load(inv_scale_ptr)
-
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
     first = start
     while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
         offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        u = load_f32(grad_addr, dtype, offs, None, ALIGNED) * inv_scale
+        u = load_f32(addr, dtype, offs, None, ALIGNED) * inv_scale
         acc += u * u
+        bad += u - u
         first += BLOCK
     if full_end < end:
         offs = full_end + tl.arange(0, BLOCK)
-        u = tl.where(offs < end, load_f32(grad_addr, dtype, offs, offs < end, ALIGNED) * inv_scale, 0.0)
+        u = tl.where(offs < end, load_f32(addr, dtype, offs, offs < end, ALIGNED) * inv_scale, 0.0)
         acc += u * u
-    tl.store(partials_ptr + pid, tl.sum(acc, axis=0))
+        bad += u - u
+    return acc, bad
 
-    # [note: last program reduces] Each program publishes its partial sum, then takes a ticket; the
-    # program holding the last ticket adds every partial, in a fixed order, into sumsq. One launch,
-    # and the norm is bitwise reproducible (no float atomics). It also resets the ticket counter,
-    # so the next launch, or the next replay of a CUDA graph, starts from zero.
+
+@triton.jit
+def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, partials_ptr, retired_ptr, n_chunks,
+                       max_grad_norm, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, CLIP: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    inv_scale = 1.0
+    if HAS_SCALE:  # torch's reciprocal: in fp64, rounded to fp32
+        inv_scale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
+
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.float32)
+    c = pid
+    while c < n_chunks:
+        tensor = tl.load(chunks + 2 * c)
+        start = tl.load(chunks + 2 * c + 1)
+        row = rows + tensor * ROW
+        addr = tl.load(row + GRAD_ADDR)
+        dtype = tl.load(row + DTYPE)
+        end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
+        if tl.load(row + ALIGNED_ROW) != 0:  # uniform per program: no divergence
+            acc, bad = _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK, True)
+        else:
+            acc, bad = _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK, False)
+        c += n_programs
+    tl.store(partials_ptr + pid, tl.sum(acc, axis=0))
+    tl.store(partials_ptr + n_programs + pid, tl.sum(bad, axis=0))
+
+    # [note: last program finishes] Each program publishes its partials, then takes a ticket; the
+    # program holding the last ticket adds every partial in a fixed order (no float atomics, so
+    # the norm is bitwise reproducible), runs the finish (reference.finish_) and resets the ticket
+    # counter, so the next launch, or the next replay of a CUDA graph, starts from zero.
     tl.debug_barrier()
     ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == n_programs - 1:
-        total = tl.zeros([TABLE_BLOCK], dtype=tl.float32)
-        table_first = tl.program_id(0) * 0  # a run-time zero even when n_programs == 1 is specialized to a constant
-        while table_first < n_programs:
-            idx = table_first + tl.arange(0, TABLE_BLOCK)
-            total += tl.load(partials_ptr + idx, mask=idx < n_programs, other=0.0, volatile=True)
-            table_first += TABLE_BLOCK
-        tl.store(sumsq_ptr, tl.load(sumsq_ptr) + tl.sum(total, axis=0))
+        idx = tl.arange(0, TABLE_BLOCK)  # the grid is at most TABLE_BLOCK programs (_runtime.persistent_grid)
+        in_grid = idx < n_programs
+        sumsq = tl.sum(tl.load(partials_ptr + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
+        flag = tl.sum(tl.load(partials_ptr + n_programs + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
+        norm = tl.sqrt_rn(sumsq)
+        skip = flag != 0.0  # NaN != 0 as well
+        if HAS_FOUND_INF:
+            skip = skip | (tl.load(found_inf_ptr) != 0.0)
+        factor = inv_scale
+        if CLIP:  # torch: (max_norm / (norm + 1e-6)).clamp(max=1), float / tensor being reciprocal() * max_norm
+            coef = tl.div_rn(1.0, norm + CLIP_EPS) * max_grad_norm
+            factor = factor * tl.where((coef < 1.0) | (coef != coef), coef, 1.0)
+        tl.store(stats_ptr + NORM, tl.where(skip & (norm - norm == 0.0), float("inf"), norm))
+        tl.store(stats_ptr + SKIP, tl.where(skip, 1.0, 0.0))
+        tl.store(stats_ptr + FACTOR, factor)
+        tl.store(stats_ptr + SUMSQ, sumsq)
         tl.store(retired_ptr, 0)
 
 
-@_runtime.launches_on(lambda grads, inv_scale, sumsq: sumsq.device)
-def grad_stats_(grads, inv_scale: Tensor | None, sumsq: Tensor) -> None:
-    """``sumsq += sum_i sum((grads[i].float() * inv_scale) ** 2)``; one launch, no host sync."""
-    if not grads:
-        return
-    grads = _tables.contiguous(grads)
-    device = sumsq.device
-    key = ("stats", device, tuple((g.data_ptr(), g.numel(), g.dtype) for g in grads))
-    tables = _tables.cached("stats", key, device, lambda: _build_tables(grads, device))
-    _grad_stats_kernel[(tables.n_programs,)](
-        tables.rows, tables.chunks, inv_scale if inv_scale is not None else sumsq, sumsq, tables.partials,
-        tables.retired, tables.n_programs, HAS_INV_SCALE=inv_scale is not None, BLOCK=_runtime.BLOCK,
-        CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, ALIGNED=tables.aligned, num_warps=_runtime.NUM_WARPS)
+@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats: stats.device)
+def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None,
+                stats: Tensor) -> None:
+    """Sum of squares, non-finite flag and finish into ``stats``; one launch, no host sync."""
+    device = stats.device
+    grads = _tables.dense_inputs(grads)
+    numels = tuple(g.numel() for g in grads)
+    layout = _tables.layout("stats", numels, device, _runtime.CHUNK,
+                            lambda n: _runtime.persistent_grid(n, device), partials=True)
+    key = tuple((g.data_ptr(), g.dtype) for g in grads)
+    rows = _tables.row_table("stats", (numels, key), device, lambda: _build_rows(grads, device))
+    _grad_stats_kernel[(layout.grid,)](
+        rows.rows, layout.chunks, grad_scale if grad_scale is not None else stats,
+        found_inf if found_inf is not None else stats, stats, layout.partials, layout.retired, layout.n_chunks,
+        float(max_grad_norm) if max_grad_norm is not None else 0.0,
+        HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, CLIP=max_grad_norm is not None,
+        BLOCK=_runtime.BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, num_warps=_runtime.NUM_WARPS)
 
 
-def _build_tables(grads, device) -> _tables.Tables:
+def _build_rows(grads, device) -> list:
+    rows = []
     for i, g in enumerate(grads):
         _tables.check(g, f"grads[{i}]", device, _tables.DTYPE_CODE)
-    rows = [[g.data_ptr(), g.numel(), _tables.DTYPE_CODE[g.dtype]] for g in grads]
-    aligned = _tables.all_aligned(row[0] for row in rows)
-    return _tables.make_tables(rows, [g.numel() for g in grads], device, _runtime.CHUNK, aligned=aligned, partials=True)
+        rows.append([g.data_ptr(), g.numel(), _tables.DTYPE_CODE[g.dtype], _tables.aligned([g.data_ptr()], g.element_size())])
+    return rows or [[0, 0, 0, 0]]

@@ -1,5 +1,6 @@
 // Interface between the CPU op implementations (ops_cpu.cpp, baseline ISA, ATen threading) and
-// the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, _avx2.cpp, _avx512.cpp).
+// the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, and kernels_isa.h through
+// kernels_avx2.cpp / kernels_avx512.cpp).
 //
 // [note: per-ISA builds] The hot loops are plain C++ loops that the compiler auto-vectorizes
 // (-O3 -fno-math-errno, `#pragma GCC target` per file). The library itself is built for baseline
@@ -30,12 +31,18 @@ struct UpdateRange {
   int64_t end;
 };
 
+struct SumSq {
+  double sumsq;  // in double: a range's float blocks summed
+  bool bad;      // an element was inf/NaN
+};
+
 struct IsaKernels {
   const char* name;
   // dst[i] += float(src[i]) for i < n
   void (*accumulate)(float* dst, const void* src, int32_t src_dtype, int64_t n);
-  // sum over i < n of (float(g[i]) * inv_scale)^2, accumulated in float blocks, returned as double
-  double (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
+  // sum over i < n of (float(g[i]) * inv_scale)^2, accumulated in float blocks, returned as double,
+  // and whether any float(g[i]) * inv_scale was inf/NaN
+  SumSq (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
   void (*update)(const UpdateRange& range);
 };
 

@@ -32,33 +32,42 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
   }
 }
 
+// [note: non-finite lanes] `d += u - u` is 0 for every finite u and NaN from the first inf/NaN on,
+// so the flag costs one subtract and add per element and vectorizes with the sum of squares.
 template <typename G>
-double sumsq_t(const G* __restrict g, int64_t n, float inv) {
+SumSq sumsq_t(const G* __restrict g, int64_t n, float inv) {
   constexpr int kLanes = 16;
   constexpr int64_t kBlock = 2048;  // float partials stay short; blocks are summed in double
   double total = 0.0;
+  float bad = 0.f;
   int64_t i = 0;
   for (; i + kBlock <= n; i += kBlock) {
     float acc[kLanes] = {};
+    float d[kLanes] = {};
     for (int64_t j = 0; j < kBlock; j += kLanes) {
       for (int k = 0; k < kLanes; ++k) {
         const float u = to_float(g[i + j + k]) * inv;
         acc[k] += u * u;
+        d[k] += u - u;
       }
     }
     float block = 0.f;
-    for (int k = 0; k < kLanes; ++k) block += acc[k];
+    for (int k = 0; k < kLanes; ++k) {
+      block += acc[k];
+      bad += d[k];
+    }
     total += block;
   }
   float tail = 0.f;
   for (; i < n; ++i) {
     const float u = to_float(g[i]) * inv;
     tail += u * u;
+    bad += u - u;
   }
-  return total + tail;
+  return SumSq{total + tail, bad != 0.f};
 }
 
-double sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
+SumSq sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
   switch (dtype) {
     case kF32: return sumsq_t(static_cast<const float*>(grad), n, inv_scale);
     case kF16: return sumsq_t(static_cast<const Half*>(grad), n, inv_scale);

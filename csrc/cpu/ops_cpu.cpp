@@ -9,6 +9,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -60,10 +63,12 @@ void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
   });
 }
 
-void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
-  check_stats(grads, inv_scale, sumsq);
-  TORCH_CHECK(sumsq.device().is_cpu(), "ampfused::grad_stats (CPU) got sumsq on ", sumsq.device());
-  const float inv = inv_scale.has_value() ? *inv_scale->data_ptr<float>() : 1.0f;
+void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
+                    const at::Tensor& stats) {
+  check_stats(grads, grad_scale, found_inf, stats);
+  TORCH_CHECK(stats.device().is_cpu(), "ampfused::grad_stats (CPU) got stats on ", stats.device());
+  const float inv = inv_scale_of(grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
   struct Range {
     const char* data;
     int32_t dtype;
@@ -77,15 +82,19 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& inv_s
       ranges.push_back(Range{base + b * element_size(dtype), dtype, std::min(kRange, g.numel() - b)});
     }
   }
-  std::vector<double> partial(ranges.size(), 0.0);
+  std::vector<SumSq> partial(ranges.size(), SumSq{0.0, false});
   const IsaKernels& k = kernels();
   at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
   });
   double total = 0.0;
-  for (double x : partial) total += x;
-  float* out = sumsq.data_ptr<float>();
-  *out = *out + static_cast<float>(total);
+  bool bad = false;
+  for (const SumSq& x : partial) {
+    total += x.sumsq;
+    bad = bad || x.bad;
+  }
+  finish_stats(static_cast<float>(total), bad, found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr, inv,
+               max_grad_norm.has_value(), static_cast<float>(max_grad_norm.value_or(0.0)), stats.data_ptr<float>());
 }
 
 void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -93,14 +102,14 @@ void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList masters, at::IntArrayRef groups,
                       at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                       at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
-                      const at::Tensor& skip) {
+                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
-                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, factor, skip);
+                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;
   TORCH_CHECK(params[0].device().is_cpu(), "ampfused::adamw_update (CPU) got tensors on ", params[0].device());
-  if (*skip.data_ptr<float>() != 0.0f) return;  // a skipped step writes nothing at all
-  const float base_factor = *factor.data_ptr<float>();
+  const float* step_stats = stats.data_ptr<float>();
+  if (step_stats[kStatsSkip] != 0.0f) return;  // a skipped step writes nothing at all
+  const float base_factor = step_stats[kStatsFactor];
   std::vector<double> lr(args.groups.size());
   for (size_t j = 0; j < args.groups.size(); ++j) {
     const UpdateGroup& g = args.groups[j];
@@ -126,6 +135,37 @@ void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   for (const UpdateTensor& t : args.tensors) *t.step = *t.step + 1.0f;
 }
 
+void scaler_update_cpu(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                       const at::Tensor& hysteresis_tracker, const at::Tensor& skipped_steps,
+                       const at::Tensor& consecutive_skips, const at::Tensor& watch, double growth_factor,
+                       double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                       std::optional<double> min_scale) {
+  check_scaler(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch);
+  TORCH_CHECK(scale.device().is_cpu(), "ampfused::scaler_update (CPU) got tensors on ", scale.device());
+  const ScalerRules rules{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+                          static_cast<float>(min_scale.value_or(0.0)), growth_interval, static_cast<int32_t>(hysteresis),
+                          min_scale.has_value()};
+  scaler_update(*found_inf.data_ptr<float>(), scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                hysteresis_tracker.data_ptr<int32_t>(), skipped_steps.data_ptr<int64_t>(),
+                consecutive_skips.data_ptr<int64_t>(), watch.data_ptr<double>(), rules);
+}
+
+// Test-only: how many distinct threads run the work items of one at::parallel_for as the passes
+// call it (the build must give _C the OpenMP runtime torch uses, or this is 1).
+int64_t parallel_threads_cpu(int64_t work_items) {
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  at::parallel_for(0, work_items, 1, [&](int64_t begin, int64_t end) {
+    volatile double sink = 0.0;
+    for (int64_t r = begin; r < end; ++r) {
+      for (int j = 0; j < 200000; ++j) sink = sink + 1.0;  // long enough that every thread gets an item
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    seen.insert(std::this_thread::get_id());
+  });
+  return static_cast<int64_t>(seen.size());
+}
+
 }  // namespace
 
 const IsaKernels& kernels() {
@@ -140,4 +180,10 @@ TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl("accumulate", &ampfused::cpu::accumulate_cpu);
   m.impl("grad_stats", &ampfused::cpu::grad_stats_cpu);
   m.impl("adamw_update", &ampfused::cpu::adamw_update_cpu);
+  m.impl("scaler_update", &ampfused::cpu::scaler_update_cpu);
+}
+
+// Test-only op without tensor arguments: defined together with its (catch-all) kernel.
+TORCH_LIBRARY_FRAGMENT(ampfused, m) {
+  m.def("_parallel_threads(int work_items) -> int", &ampfused::cpu::parallel_threads_cpu);
 }

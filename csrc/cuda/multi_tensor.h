@@ -15,12 +15,16 @@
 
 #include <cstdint>
 
+#include "../adamw_math.h"
+
 namespace ampfused {
 namespace cuda {
 
 constexpr int kBlockSize = 512;
 constexpr int64_t kChunkSize = 65536;  // elements per chunk; a multiple of 4 * kBlockSize
-constexpr int kBlocksPerSM = 4;        // 4 x 512 threads fill an SM; the grid is SMs x this at most
+// [note: occupancy] The grid is SMs x the blocks per SM that cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// reports for each kernel (registers decide it), at most kMaxGrid blocks: one wave, all resident.
+constexpr int kMaxGrid = 4096;
 constexpr int kInlineGroups = 24;      // param groups passed by value; more go through a device table
 
 static_assert(kChunkSize % (4 * kBlockSize) == 0, "chunks must hold whole 4-wide vectors for every thread");
@@ -69,8 +73,7 @@ struct UpdateParams {
   int64_t n_chunks;
   int32_t n_tensors;
   int32_t n_groups;
-  const float* factor;
-  const float* skip;
+  const float* stats;         // stats[kStatsSkip], stats[kStatsFactor] from the stats pass
   unsigned int* counter;      // zero between launches; the last block resets it
   const GroupHyper* groups;   // nullptr: inline_groups
   GroupHyper inline_groups[kInlineGroups];
@@ -80,15 +83,24 @@ struct StatsParams {
   const StatsEntry* tensors;
   const Chunk* chunks;
   int64_t n_chunks;
-  const float* inv_scale;  // nullptr: 1
-  float* sumsq;
-  double* partials;        // one slot per block
-  unsigned int* counter;   // zero between launches; the last block resets it
+  const float* grad_scale;  // nullptr: 1
+  const float* found_inf;   // nullptr: none
+  float max_grad_norm;
+  int32_t clip;
+  float* stats;             // the stats vector (adamw_math.h slots)
+  double* partials;         // two slots per block: sum of squares, non-finite sum
+  unsigned int* counter;    // zero between launches; the last block resets it
 };
 
 // Defined in passes.cu; they return the launch's error (cudaSuccess when it was queued).
 cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t stream);
 cudaError_t launch_stats(const StatsParams& params, int grid, cudaStream_t stream);
+cudaError_t launch_scaler_update(const float* found_inf, float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                                 int64_t* skipped_steps, int64_t* consecutive_skips, double* watch,
+                                 const ScalerRules& rules, cudaStream_t stream);
+// Blocks per SM the occupancy API allows for the update / stats kernel at kBlockSize threads.
+int update_blocks_per_sm();
+int stats_blocks_per_sm();
 cudaError_t launch_accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n, bool aligned, int grid,
                               cudaStream_t stream);
 

@@ -1,9 +1,10 @@
 // CUDA implementations of the ampfused ops: argument checks, the cached device tables of
 // multi_tensor.h, and the launches (passes.cu). Host code only; compiled by the host compiler.
 //
-// [note: table cache] A table is keyed by every pointer, size, dtype and group index it encodes, so
-// an unchanged set of tensors (the normal case: params and optimizer state stay put between steps)
-// reuses the device table it got at its first step, and any re-allocation builds a new one. A few
+// [note: table cache] Each pass has two cached tables: the chunk layout (plus the launch scratch),
+// keyed by the element counts only, and the tensor entries, keyed by every pointer, size, dtype
+// and group index they encode. A new address (autograd allocating p.grad elsewhere) therefore
+// uploads O(tensors) bytes of entries and never rebuilds the layout (~820k chunks at 7B). A few
 // tables are kept per process (several optimizers, or the stats and update passes of a GAN, each
 // find theirs). Building one copies from pinned host memory with a non-blocking copy on the current
 // stream: nothing synchronizes, and the copy can be captured in a CUDA graph (the pinned buffer
@@ -49,8 +50,8 @@ int sm_count(int device) {
   return counts[device];
 }
 
-int grid_for(int64_t work_items, int device) {
-  const int64_t most = static_cast<int64_t>(sm_count(device)) * kBlocksPerSM;
+int grid_for(int64_t work_items, int device, int blocks_per_sm) {
+  const int64_t most = std::min<int64_t>(kMaxGrid, static_cast<int64_t>(sm_count(device)) * blocks_per_sm);
   return static_cast<int>(std::max<int64_t>(1, std::min(work_items, most)));
 }
 
@@ -60,44 +61,43 @@ bool aligned4(const void* ptr, int64_t element_size) {
 
 int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
 
+// One uploaded buffer: `host` (pinned) is kept alive for the async copy and graph replays.
 struct Table {
   std::vector<int64_t> key;
-  at::Tensor host;     // pinned copy of the bytes below, kept alive for the async copy / graph replays
-  at::Tensor device;   // entries, then chunks (16-byte aligned)
-  at::Tensor scratch;  // [counter (8 bytes)] [partials: grid doubles]
-  int64_t chunk_offset = 0;
+  at::Tensor host;
+  at::Tensor device;
+  at::Tensor scratch;  // layouts only: [counter (8 bytes)] [partials: 2 x grid doubles]
   int64_t n_chunks = 0;
   int grid = 1;
   bool built_in_capture = false;  // empty until the capturing graph first replays
 
-  const void* entries() const { return device.data_ptr(); }
-  const Chunk* chunks() const { return reinterpret_cast<const Chunk*>(static_cast<const char*>(device.data_ptr()) + chunk_offset); }
+  const void* data() const { return device.data_ptr(); }
   unsigned int* counter() const { return reinterpret_cast<unsigned int*>(scratch.data_ptr()); }
   double* partials() const { return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + 8); }
 };
 
-template <typename Entry>
-std::shared_ptr<Table> build_table(std::vector<int64_t> key, const std::vector<Entry>& entries, const at::Device& device) {
-  std::vector<Chunk> chunks;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    for (int64_t start = 0; start < entries[i].numel; start += kChunkSize) {
-      chunks.push_back(Chunk{static_cast<int32_t>(i), 0, start});
-    }
-  }
+std::shared_ptr<Table> upload(std::vector<int64_t> key, const void* bytes, int64_t n_bytes, const at::Device& device) {
   auto table = std::make_shared<Table>();
   table->key = std::move(key);
-  const int64_t entry_bytes = static_cast<int64_t>(entries.size() * sizeof(Entry) + 15) / 16 * 16;
-  const int64_t bytes = std::max<int64_t>(16, entry_bytes + static_cast<int64_t>(chunks.size() * sizeof(Chunk)));
-  table->host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  char* host = static_cast<char*>(table->host.data_ptr());
-  std::memcpy(host, entries.data(), entries.size() * sizeof(Entry));
-  std::memcpy(host + entry_bytes, chunks.data(), chunks.size() * sizeof(Chunk));
-  table->device = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  const int64_t size = std::max<int64_t>(16, n_bytes);
+  table->host = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  if (n_bytes > 0) std::memcpy(table->host.data_ptr(), bytes, n_bytes);
+  table->device = at::empty({size}, at::TensorOptions().dtype(at::kByte).device(device));
   table->device.copy_(table->host, /*non_blocking=*/true);
-  table->chunk_offset = entry_bytes;
+  return table;
+}
+
+// The chunk layout of tensors of `numels` elements, with the scratch of a launch of `blocks_per_sm`.
+std::shared_ptr<Table> build_layout(std::vector<int64_t> key, const std::vector<int64_t>& numels, const at::Device& device,
+                                    int blocks_per_sm) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (int64_t start = 0; start < numels[i]; start += kChunkSize) chunks.push_back(Chunk{static_cast<int32_t>(i), 0, start});
+  }
+  auto table = upload(std::move(key), chunks.data(), static_cast<int64_t>(chunks.size() * sizeof(Chunk)), device);
   table->n_chunks = static_cast<int64_t>(chunks.size());
-  table->grid = grid_for(table->n_chunks, device.index());
-  table->scratch = at::zeros({8 + 8 * static_cast<int64_t>(table->grid)}, at::TensorOptions().dtype(at::kByte).device(device));
+  table->grid = grid_for(table->n_chunks, device.index(), blocks_per_sm);
+  table->scratch = at::zeros({8 + 16 * static_cast<int64_t>(table->grid)}, at::TensorOptions().dtype(at::kByte).device(device));
   return table;
 }
 
@@ -136,6 +136,13 @@ std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build
   return fresh;
 }
 
+// Layout key: kind, device, then every element count.
+std::shared_ptr<Table> layout_for(int64_t kind, const at::Device& device, const std::vector<int64_t>& numels, int blocks_per_sm) {
+  std::vector<int64_t> key{kind, device.index()};
+  key.insert(key.end(), numels.begin(), numels.end());
+  return cached_table(key, [&] { return build_layout(key, numels, device, blocks_per_sm); });
+}
+
 void accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& grad) {
   check_accumulate(main_grad, grad);
   TORCH_CHECK(main_grad.is_cuda(), "ampfused::accumulate (CUDA) got tensors on ", main_grad.device());
@@ -146,38 +153,48 @@ void accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& grad) {
   float* dst = main_grad.data_ptr<float>();
   const void* src = grad.data_ptr();
   const bool aligned = aligned4(dst, 4) && aligned4(src, element_size(dtype));
-  const int grid = grid_for((n + 4 * kBlockSize - 1) / (4 * kBlockSize), main_grad.device().index());
+  const int grid = grid_for((n + 4 * kBlockSize - 1) / (4 * kBlockSize), main_grad.device().index(), 4);
   C10_CUDA_CHECK(launch_accumulate(dst, src, dtype, n, aligned, grid, c10::cuda::getCurrentCUDAStream()));
 }
 
-void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& inv_scale, const at::Tensor& sumsq) {
-  check_stats(grads, inv_scale, sumsq);
-  TORCH_CHECK(sumsq.is_cuda(), "ampfused::grad_stats (CUDA) got sumsq on ", sumsq.device());
-  if (grads.empty()) return;
-  const at::Device device = sumsq.device();
+void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
+                     const at::Tensor& stats) {
+  check_stats(grads, grad_scale, found_inf, stats);
+  TORCH_CHECK(stats.is_cuda(), "ampfused::grad_stats (CUDA) got stats on ", stats.device());
+  const at::Device device = stats.device();
   const c10::cuda::CUDAGuard guard(device);
   std::vector<StatsEntry> entries;
-  std::vector<int64_t> key{1, device.index()};  // 1: a stats table
+  std::vector<int64_t> numels;
+  std::vector<int64_t> key{1, device.index()};  // 1: stats entries
   entries.reserve(grads.size());
+  numels.reserve(grads.size());
   key.reserve(2 + 3 * grads.size());
   for (const at::Tensor& g : grads) {
     const int32_t dtype = dtype_code(g, "grads");
     const void* ptr = g.data_ptr();
     entries.push_back(StatsEntry{ptr, g.numel(), dtype, aligned4(ptr, element_size(dtype))});
+    numels.push_back(g.numel());
     key.push_back(reinterpret_cast<int64_t>(ptr));
     key.push_back(g.numel());
     key.push_back(dtype);
   }
-  std::shared_ptr<Table> table = cached_table(key, [&] { return build_table(key, entries, device); });
+  std::shared_ptr<Table> layout = layout_for(11, device, numels, stats_blocks_per_sm());
+  std::shared_ptr<Table> table = cached_table(key, [&] {
+    return upload(key, entries.data(), static_cast<int64_t>(entries.size() * sizeof(StatsEntry)), device);
+  });
   StatsParams p{};
-  p.tensors = static_cast<const StatsEntry*>(table->entries());
-  p.chunks = table->chunks();
-  p.n_chunks = table->n_chunks;
-  p.inv_scale = inv_scale.has_value() ? inv_scale->data_ptr<float>() : nullptr;
-  p.sumsq = sumsq.data_ptr<float>();
-  p.partials = table->partials();
-  p.counter = table->counter();
-  C10_CUDA_CHECK(launch_stats(p, table->grid, c10::cuda::getCurrentCUDAStream()));
+  p.tensors = static_cast<const StatsEntry*>(table->data());
+  p.chunks = static_cast<const Chunk*>(layout->data());
+  p.n_chunks = layout->n_chunks;
+  p.grad_scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  p.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  p.clip = max_grad_norm.has_value() ? 1 : 0;
+  p.max_grad_norm = static_cast<float>(max_grad_norm.value_or(0.0));
+  p.stats = stats.data_ptr<float>();
+  p.partials = layout->partials();
+  p.counter = layout->counter();
+  C10_CUDA_CHECK(launch_stats(p, layout->grid, c10::cuda::getCurrentCUDAStream()));
 }
 
 void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -185,10 +202,9 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList masters, at::IntArrayRef groups,
                        at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                        at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& factor,
-                       const at::Tensor& skip) {
+                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
-                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, factor, skip);
+                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;
   const at::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), "ampfused::adamw_update (CUDA) got tensors on ", device);
@@ -196,8 +212,10 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   std::vector<UpdateEntry> entries;
-  std::vector<int64_t> key{2, device.index()};  // 2: an update table
+  std::vector<int64_t> numels;
+  std::vector<int64_t> key{2, device.index()};  // 2: update entries
   entries.reserve(args.tensors.size());
+  numels.reserve(args.tensors.size());
   key.reserve(2 + 9 * args.tensors.size());
   for (const UpdateTensor& t : args.tensors) {
     const int64_t ps = element_size(t.param_dtype), gs = element_size(t.grad_dtype);
@@ -212,8 +230,12 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     }
     key.push_back(t.numel);
     key.push_back((static_cast<int64_t>(t.group) << 8) | (t.param_dtype << 4) | t.grad_dtype);
+    numels.push_back(t.numel);
   }
-  std::shared_ptr<Table> table = cached_table(key, [&] { return build_table(key, entries, device); });
+  std::shared_ptr<Table> layout = layout_for(12, device, numels, update_blocks_per_sm());
+  std::shared_ptr<Table> table = cached_table(key, [&] {
+    return upload(key, entries.data(), static_cast<int64_t>(entries.size() * sizeof(UpdateEntry)), device);
+  });
 
   // Group hyperparameters: by value in the launch (they change every step under a scheduler).
   std::vector<GroupHyper> hyper(args.groups.size());
@@ -240,14 +262,13 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     }
   }
   UpdateParams p{};
-  p.tensors = static_cast<const UpdateEntry*>(table->entries());
-  p.chunks = table->chunks();
-  p.n_chunks = table->n_chunks;
+  p.tensors = static_cast<const UpdateEntry*>(table->data());
+  p.chunks = static_cast<const Chunk*>(layout->data());
+  p.n_chunks = layout->n_chunks;
   p.n_tensors = static_cast<int32_t>(entries.size());
   p.n_groups = static_cast<int32_t>(hyper.size());
-  p.factor = factor.data_ptr<float>();
-  p.skip = skip.data_ptr<float>();
-  p.counter = table->counter();
+  p.stats = stats.data_ptr<float>();
+  p.counter = layout->counter();
   at::Tensor group_table;
   if (hyper.size() <= static_cast<size_t>(kInlineGroups)) {
     std::copy(hyper.begin(), hyper.end(), p.inline_groups);
@@ -260,7 +281,24 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     group_table.copy_(host, /*non_blocking=*/true);
     p.groups = static_cast<const GroupHyper*>(group_table.data_ptr());
   }
-  C10_CUDA_CHECK(launch_update(p, table->grid, stream));
+  C10_CUDA_CHECK(launch_update(p, layout->grid, stream));
+}
+
+void scaler_update_cuda(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
+                        const at::Tensor& hysteresis_tracker, const at::Tensor& skipped_steps,
+                        const at::Tensor& consecutive_skips, const at::Tensor& watch, double growth_factor,
+                        double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                        std::optional<double> min_scale) {
+  check_scaler(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch);
+  TORCH_CHECK(scale.is_cuda(), "ampfused::scaler_update (CUDA) got tensors on ", scale.device());
+  const c10::cuda::CUDAGuard guard(scale.device());
+  const ScalerRules rules{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+                          static_cast<float>(min_scale.value_or(0.0)), growth_interval, static_cast<int32_t>(hysteresis),
+                          min_scale.has_value()};
+  C10_CUDA_CHECK(launch_scaler_update(found_inf.data_ptr<float>(), scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                                      hysteresis_tracker.data_ptr<int32_t>(), skipped_steps.data_ptr<int64_t>(),
+                                      consecutive_skips.data_ptr<int64_t>(), watch.data_ptr<double>(), rules,
+                                      c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace
@@ -271,4 +309,5 @@ TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
   m.impl("accumulate", &ampfused::cuda::accumulate_cuda);
   m.impl("grad_stats", &ampfused::cuda::grad_stats_cuda);
   m.impl("adamw_update", &ampfused::cuda::adamw_update_cuda);
+  m.impl("scaler_update", &ampfused::cuda::scaler_update_cuda);
 }

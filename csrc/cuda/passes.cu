@@ -137,8 +137,8 @@ __device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end,
 }
 
 __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
-  if (*p.skip != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
-  const float factor = *p.factor;
+  if (p.stats[kStatsSkip] != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
+  const float factor = p.stats[kStatsFactor];
   const GroupHyper* groups = p.groups != nullptr ? p.groups : p.inline_groups;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
@@ -170,10 +170,10 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
 
 // ------------------------------------------------------------------------------------- stats
 
+// [note: non-finite lanes] bad += u - u is 0 for finite u and NaN from the first inf/NaN on.
 template <typename G>
-__device__ float chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, float inv) {
+__device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, float inv, float& acc, float& bad) {
   const G* g = static_cast<const G*>(t.grad);
-  float acc = 0.0f;
   int64_t scalar_begin = begin;
   if (t.aligned) {
     const int64_t n4 = (end - begin) / 4;
@@ -184,6 +184,7 @@ __device__ float chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, fl
       for (int j = 0; j < 4; ++j) {
         const float u = __fmul_rn(x[j], inv);
         acc = __fmaf_rn(u, u, acc);
+        bad = __fadd_rn(bad, __fsub_rn(u, u));
       }
     }
     scalar_begin = begin + 4 * n4;
@@ -191,37 +192,55 @@ __device__ float chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, fl
   for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
     const float u = __fmul_rn(to_float(g[i]), inv);
     acc = __fmaf_rn(u, u, acc);
+    bad = __fadd_rn(bad, __fsub_rn(u, u));
   }
-  return acc;
 }
 
 __global__ void __launch_bounds__(kBlockSize) stats_kernel(const __grid_constant__ StatsParams p) {
   __shared__ double shared[kBlockSize / 32];
-  const float inv = p.inv_scale != nullptr ? *p.inv_scale : 1.0f;
-  double acc = 0.0;
+  const float inv = inv_scale_of(p.grad_scale);
+  double acc = 0.0, bad = 0.0;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
     const StatsEntry t = p.tensors[chunk.tensor];
     const int64_t end = min(chunk.start + kChunkSize, t.numel);
+    float a = 0.0f, b = 0.0f;
     switch (t.dtype) {
-      case kF32: acc += chunk_sumsq<float>(t, chunk.start, end, inv); break;
-      case kF16: acc += chunk_sumsq<Half>(t, chunk.start, end, inv); break;
-      default: acc += chunk_sumsq<BFloat16>(t, chunk.start, end, inv); break;
+      case kF32: chunk_sumsq<float>(t, chunk.start, end, inv, a, b); break;
+      case kF16: chunk_sumsq<Half>(t, chunk.start, end, inv, a, b); break;
+      default: chunk_sumsq<BFloat16>(t, chunk.start, end, inv, a, b); break;
     }
+    acc += a;
+    bad += b;
   }
   const double block = block_sum(acc, shared);
-  if (threadIdx.x == 0) p.partials[blockIdx.x] = block;
+  const double block_bad = block_sum(bad, shared);
+  if (threadIdx.x == 0) {
+    p.partials[2 * blockIdx.x] = block;
+    p.partials[2 * blockIdx.x + 1] = block_bad;
+  }
   if (last_block_done(p.counter)) {
-    double x = 0.0;
+    // the final reduction is block-wide: each thread adds a strided share of the partials
+    double x = 0.0, y = 0.0;
     for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x) {
-      x += static_cast<volatile double*>(p.partials)[i];
+      x += static_cast<volatile double*>(p.partials)[2 * i];
+      y += static_cast<volatile double*>(p.partials)[2 * i + 1];
     }
     const double total = block_sum(x, shared);
+    const double total_bad = block_sum(y, shared);
     if (threadIdx.x == 0) {
-      *p.sumsq = __fadd_rn(*p.sumsq, static_cast<float>(total));
+      finish_stats(static_cast<float>(total), !(total_bad == 0.0), p.found_inf, inv, p.clip != 0, p.max_grad_norm, p.stats);
       *p.counter = 0;
     }
   }
+}
+
+// ---------------------------------------------------------------------------- scaler update
+
+__global__ void scaler_update_kernel(const float* found_inf, float* scale, int32_t* growth_tracker,
+                                     int32_t* hysteresis_tracker, int64_t* skipped_steps, int64_t* consecutive_skips,
+                                     double* watch, const ScalerRules rules) {
+  scaler_update(*found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch, rules);
 }
 
 // -------------------------------------------------------------------------------- accumulate
@@ -256,6 +275,36 @@ cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t str
 cudaError_t launch_stats(const StatsParams& params, int grid, cudaStream_t stream) {
   stats_kernel<<<grid, kBlockSize, 0, stream>>>(params);
   return cudaGetLastError();
+}
+
+cudaError_t launch_scaler_update(const float* found_inf, float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                                 int64_t* skipped_steps, int64_t* consecutive_skips, double* watch,
+                                 const ScalerRules& rules, cudaStream_t stream) {
+  scaler_update_kernel<<<1, 1, 0, stream>>>(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps,
+                                            consecutive_skips, watch, rules);
+  return cudaGetLastError();
+}
+
+namespace {
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockSize, 0) != cudaSuccess || blocks < 1) {
+    (void)cudaGetLastError();  // clear it: the caller falls back to one block per SM
+    blocks = 1;
+  }
+  return blocks;
+}
+}  // namespace
+
+int update_blocks_per_sm() {
+  static const int blocks = blocks_per_sm(update_kernel);
+  return blocks;
+}
+
+int stats_blocks_per_sm() {
+  static const int blocks = blocks_per_sm(stats_kernel);
+  return blocks;
 }
 
 cudaError_t launch_accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n, bool aligned, int grid,
