@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from . import _backends
+from . import _backends, distributed
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 
@@ -89,11 +89,20 @@ def fused_amp_adamw(
     if n == 0:
         return torch.zeros(()), torch.zeros(())
     module = _backends.resolve(backend, params[0].device)[0]
-    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+    # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
+    (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = distributed.localize(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
+    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+                    reduce_stats=reduce_stats)
 
 
-def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
-    """Stats pass, device-side finish, update pass. No host synchronization."""
+def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
+             reduce_stats=None) -> tuple[Tensor, Tensor]:
+    """Stats pass, device-side finish, update pass. No host synchronization.
+
+    ``reduce_stats(sumsq, found_inf) -> (sumsq, found_inf)``, when given, turns this rank's stats into
+    the global ones (``ampfused.distributed``: an all-reduce over the shards' mesh) before the finish.
+    """
     device = params[0].device
     inv_scale = None
     if grad_scale is not None:
@@ -101,6 +110,8 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         inv_scale = grad_scale.to(device=device, dtype=torch.float64).reciprocal().float().reshape(())
     sumsq = torch.zeros((), dtype=torch.float32, device=device)
     backend.grad_stats_(grads, inv_scale, sumsq)
+    if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
+        sumsq, found_inf = reduce_stats(sumsq, found_inf)
     grad_norm = sumsq.sqrt()
     # [note: one flag from the sum] an inf/NaN element makes the fp32 sum of squares non-finite, so
     # the stats pass needs no separate flag. The sum also overflows when the unscaled norm exceeds

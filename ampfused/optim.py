@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _backends, functional
+from . import _backends, distributed, functional
 from ._flat import FlatBuffer
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -131,6 +131,8 @@ class FusedAmpAdamW(Optimizer):
         param_group = {**param_group, "params": params}  # a generator must survive being read twice
         for p in params:
             self._check_param(p[1] if isinstance(p, tuple) else p)  # named_parameters() gives (name, param)
+        # [distributed] DTensor params: all or none, on one mesh (see ampfused.distributed)
+        distributed.check_params(self._all_params() + [p[1] if isinstance(p, tuple) else p for p in params])
         group_options = {k: v for k, v in param_group.items() if k != "params"}
         merged = {**self.defaults, **group_options}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
@@ -152,6 +154,11 @@ class FusedAmpAdamW(Optimizer):
             raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
         if not p.is_contiguous():
             raise ValueError("non-contiguous parameter: FusedAmpAdamW's kernels address params as flat memory; make it contiguous before building the optimizer")
+        if distributed.is_dtensor(p) and p.dtype in LOW_PRECISION and self.fp32_grad_accumulation:
+            raise ValueError(
+                "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
+                "keep the sharded params fp32 and ask FSDP2 for fp32 gradients with "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
         if self._device is None:
             self._device = p.device
         elif p.device != self._device:
@@ -161,7 +168,7 @@ class FusedAmpAdamW(Optimizer):
         return p.dtype in LOW_PRECISION and self.master_weights is not False
 
     def _uses_main_grad(self, p: Tensor) -> bool:
-        if p.dtype not in LOW_PRECISION:
+        if p.dtype not in LOW_PRECISION or distributed.is_dtensor(p):  # [distributed] FSDP2 owns DTensor grads
             return False
         if self.fp32_grad_accumulation is None:
             return self._uses_master(p)
@@ -238,11 +245,12 @@ class FusedAmpAdamW(Optimizer):
         params = self._all_params()
         amsgrad = [p for g in self.param_groups if g["amsgrad"] for p in g["params"]]
         masters = [p for p in params if self._uses_master(p)]
-        flat = {"exp_avg": FlatBuffer(params, self._device), "exp_avg_sq": FlatBuffer(params, self._device)}
+        local = distributed.local_tensors  # [distributed] flat storage holds DTensor params' local shards
+        flat = {"exp_avg": FlatBuffer(local(params), self._device), "exp_avg_sq": FlatBuffer(local(params), self._device)}
         if amsgrad:
-            flat["max_exp_avg_sq"] = FlatBuffer(amsgrad, self._device)
+            flat["max_exp_avg_sq"] = FlatBuffer(local(amsgrad), self._device)
         if masters:
-            flat["master_param"] = FlatBuffer(masters, self._device)
+            flat["master_param"] = FlatBuffer(local(masters), self._device)
         steps = torch.zeros(len(params), dtype=torch.float32, device=self._device)
         index = {p: i for i, p in enumerate(params)}
         slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (("exp_avg", params), ("exp_avg_sq", params), ("max_exp_avg_sq", amsgrad), ("master_param", masters))}
@@ -254,12 +262,13 @@ class FusedAmpAdamW(Optimizer):
             for key in MOMENT_KEYS:
                 if key in state:
                     view = flat[key].views[slots[key][p]]
-                    view.copy_(state[key])
-                    state[key] = view
+                    view.copy_(distributed.local(state[key]))
+                    state[key] = distributed.like_param(view, p)
         self._state_flat, self._steps_flat, self._state_index, self._slots = flat, steps, index, slots
 
     def _view(self, key: str, p: Tensor) -> Tensor:
-        return self._state_flat[key].views[self._slots[key][p]]
+        """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
+        return distributed.like_param(self._state_flat[key].views[self._slots[key][p]], p)
 
     def _init_state(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
@@ -275,7 +284,8 @@ class FusedAmpAdamW(Optimizer):
             state["exp_avg"] = self._view("exp_avg", p).zero_()
             state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
             if self._uses_master(p):
-                state["master_param"] = self._view("master_param", p).copy_(p)
+                state["master_param"] = self._view("master_param", p)
+                distributed.local(state["master_param"]).copy_(distributed.local(p))
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._view("max_exp_avg_sq", p).zero_()
 
@@ -355,9 +365,11 @@ class FusedAmpAdamW(Optimizer):
             steps.append(state["step"])
             masters.append(state.get("master_param"))
             hypers.append(hyper)
+        # [distributed] DTensor params: the passes run on the local shards, the stats are summed over the mesh
+        lists, reduce_stats = distributed.localize(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters)
         self.grad_norm, skipped = functional.run_step(
-            self._get_backend(), params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
-            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+            self._get_backend(), *lists[:5], steps, lists[5], hypers,
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
         if found_inf_out is not None:
             found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
         consumed = [p for p in params if p in self._pending]
@@ -410,6 +422,8 @@ class FusedAmpAdamW(Optimizer):
             if missing:
                 raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
             for name in MOMENT_KEYS:
+                if name in values:  # [distributed] sharded state must come as DTensors
+                    distributed.check_state(p, values[name], f"state {name!r} of parameter {key}")
                 if name in values and tuple(values[name].shape) != tuple(p.shape):
                     raise ValueError(
                         f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
@@ -430,7 +444,7 @@ class FusedAmpAdamW(Optimizer):
             state["step"].copy_(steps[key])
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if name in values and name in state:
-                    state[name].copy_(values[name])
+                    distributed.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
