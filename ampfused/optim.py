@@ -117,6 +117,11 @@ class FusedAmpAdamW(Optimizer):
         self._self_ref = weakref.ref(self)
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        # [note: torch's group keys] torch.distributed.checkpoint loads exactly the keys the loading
+        # optimizer's groups have, so a checkpoint moves to torch.optim.AdamW only if ours carries all of
+        # torch's keys; the values are what the caller passed (torch's defaults), which a torch.optim.AdamW
+        # loading them can honour on any device (capturable=True would fail its CPU step).
+        defaults.update(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable, decoupled_weight_decay=True)
         super().__init__(params, defaults)
         self._params_registered = True
         self._setup_main_grads()
