@@ -1,9 +1,15 @@
 """Flat fp32 storage for optimizer-owned tensors, with one view per parameter.
 
 [note: flat state] ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``master_param`` and
-``main_grad`` each live in one contiguous fp32 buffer per device; ``optimizer.state[p]`` holds views
-with the shapes torch.optim.AdamW uses. Every view starts on a 128-byte boundary so that vectorized
-kernels never straddle two params in one access and every view is 16-byte aligned.
+``main_grad`` each live in one fp32 buffer per device; ``optimizer.state[p]`` holds views with the
+shapes torch.optim.AdamW uses. Every view starts on a 128-byte boundary so that vectorized kernels
+never straddle two params in one access and every view is 16-byte aligned.
+
+[note: memory formats] A view gets the strides of its param (``channels_last`` included), as
+``torch.zeros_like(p, memory_format=torch.preserve_format)`` would: any dense, non-overlapping
+tensor covers one block of ``numel`` elements, and with equal strides element ``i`` of that block is
+the same logical element in param, grad and every state tensor, so the passes stay element-wise
+over flat memory.
 """
 from __future__ import annotations
 
@@ -13,6 +19,23 @@ import torch
 from torch import Tensor
 
 ALIGN_BYTES = 128
+
+
+def is_dense(t: Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` consecutive elements (any dimension order, no gaps or overlaps)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides a dense copy of ``t`` gets: its own when it is dense, else contiguous ones."""
+    return tuple(t.stride()) if is_dense(t) else tuple(torch.empty(t.shape, device="meta").stride())
 
 
 def aligned_offsets(numels: Sequence[int], element_size: int = 4) -> tuple[list[int], int]:
@@ -26,7 +49,7 @@ def aligned_offsets(numels: Sequence[int], element_size: int = 4) -> tuple[list[
 
 
 class FlatBuffer:
-    """One zero-initialised fp32 buffer holding a chunk shaped like each of ``like``."""
+    """One zero-initialised buffer holding a chunk shaped (and strided) like each of ``like``."""
 
     def __init__(self, like: Sequence[Tensor], device: torch.device, dtype: torch.dtype = torch.float32):
         element_size = torch.empty((), dtype=dtype).element_size()
@@ -35,7 +58,8 @@ class FlatBuffer:
         raw = torch.zeros(total + ALIGN_BYTES // element_size, dtype=dtype, device=device)
         shift = (-raw.data_ptr() % ALIGN_BYTES) // element_size
         self.data = raw[shift : shift + total]
-        self.views = [self.data[o : o + t.numel()].view(t.shape) for o, t in zip(self.offsets, like)]
+        base = self.data.storage_offset()
+        self.views = [self.data.as_strided(t.shape, dense_strides(t), base + o) for o, t in zip(self.offsets, like)]
 
     def __len__(self) -> int:
         return len(self.views)

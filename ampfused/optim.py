@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
-import weakref
 from collections import defaultdict
 from itertools import chain
 
@@ -12,12 +10,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _backends, distributed, functional
-from ._flat import FlatBuffer
+from . import _backends, _main_grad, distributed, functional
+from ._flat import FlatBuffer, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+# [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
+# must find values that describe this optimizer: always fused, capturable (no host sync in step()),
+# decoupled weight decay, never differentiable. state_dict() writes torch's defaults instead, so a
+# checkpoint loads into torch.optim.AdamW and runs there as a fresh AdamW would.
+IMPLEMENTATION_KEYS = dict(foreach=False, fused=True, capturable=True, differentiable=False, decoupled_weight_decay=True)
+TORCH_IMPLEMENTATION_DEFAULTS = dict(foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
@@ -71,14 +75,17 @@ class FusedAmpAdamW(Optimizer):
             value inside the step (``torch.nn.utils.clip_grad_norm_`` semantics).
         master_weights (bool, optional): keep fp32 master copies of fp16/bf16 params in
             ``state["master_param"]``. ``None``: on for every fp16/bf16 param.
-        fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients into fp32
-            ``p.main_grad`` during backward (``p.grad`` is folded in and freed at once).
-            ``None``: on wherever master weights are on.
+        fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients in fp32 during
+            backward: ``p.grad`` is then an fp32 tensor (a view of optimizer-owned flat storage, also
+            reachable as ``p.main_grad``) that ``clip_grad_norm_``, ``torch.amp.GradScaler`` and hooks
+            read as on an fp32 model. ``None``: on wherever master weights are on.
         backend (str, optional): ``"cuda"``, ``"triton"``, ``"cpu"`` or ``"reference"``; ``None``
             picks the best available (overridable with ``AMPFUSED_BACKEND``).
 
     After each step, ``opt.grad_norm`` is the 0-d device tensor norm ``n`` (non-finite when the step
-    was skipped). Nothing in ``step()`` synchronizes the host with the device.
+    was skipped). Nothing in ``step()`` synchronizes the host with the device. Clipping with
+    ``max_grad_norm`` is the fast path (no extra pass over the gradients); the user's own
+    ``clip_grad_norm_`` on ``p.grad`` works too.
     """
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale/found_inf
@@ -87,7 +94,7 @@ class FusedAmpAdamW(Optimizer):
                  maximize=False, max_grad_norm=None, master_weights=None, fp32_grad_accumulation=None, backend=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         # foreach/fused/capturable are accepted so torch.optim.AdamW call sites keep working: this
-        # optimizer is always fused and capturable.
+        # optimizer is always fused and capturable (see [note: implementation keys]).
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a positive finite float or None)")
@@ -100,33 +107,51 @@ class FusedAmpAdamW(Optimizer):
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.grad_norm: Tensor | None = None
         self._backend_name = backend
+        self._init_runtime()
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        **IMPLEMENTATION_KEYS)
+        super().__init__(params, defaults)
+        self._params_registered = True
+        self._setup_main_grads()
+
+    def _init_runtime(self) -> None:
+        """Everything that is derived from the param groups and rebuilt, never pickled."""
         self._backend = None
         self._device = None
         self._param_dtypes: dict[Tensor, torch.dtype] = {}
         self._state_flat: dict[str, FlatBuffer] | None = None  # built at the first step
         self._state_index: dict[Tensor, int] = {}
-        self._main_grad_flat: FlatBuffer | None = None
-        self._main_grad_params: list[Tensor] = []
-        # [note: main_grad lifecycle] a param's main_grad is empty, *pending* (holds gradient not yet
-        # stepped on) or *consumed* (a step used it). Only pending grads are stepped, and the first
-        # fold after a step overwrites instead of adding, so model.zero_grad() or `p.grad = None`
-        # between steps (HF Trainer, Lightning) behave as with torch.optim.AdamW.
-        self._pending: set[Tensor] = set()
-        self._consumed: set[Tensor] = set()
-        self._hooks: list = []
-        self._self_ref = weakref.ref(self)
+        self._main_grads = _main_grad.MainGrads(self)
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        # [note: torch's group keys] torch.distributed.checkpoint loads exactly the keys the loading
-        # optimizer's groups have, so a checkpoint moves to torch.optim.AdamW only if ours carries all of
-        # torch's keys; the values are what the caller passed (torch's defaults), which a torch.optim.AdamW
-        # loading them can honour on any device (capturable=True would fail its CPU step).
-        defaults.update(foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable, decoupled_weight_decay=True)
-        super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict:
+        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
+                "max_grad_norm": self.max_grad_norm, "master_weights": self.master_weights,
+                "fp32_grad_accumulation": self.fp32_grad_accumulation, "grad_norm": self.grad_norm,
+                "_backend_name": self._backend_name}
+
+    def __setstate__(self, state: dict) -> None:
+        """After copy.deepcopy / pickle / torch.load: flat state, main grads and hooks rebuilt on the (copied) params."""
+        super().__setstate__(state)
+        self._init_runtime()
+        for p in self._all_params():
+            self._check_param(p)
+            self._param_dtypes[p] = p.dtype
         self._params_registered = True
+        if any(self.state.values()):
+            self._build_state_layout()
         self._setup_main_grads()
-        # hooks and main_grad leave the params with the optimizer (the callback must not hold self)
-        weakref.finalize(self, _release_main_grads, self._hooks, self._self_ref)
+
+    def __repr__(self) -> str:
+        lines = super().__repr__().split("\n")
+        low = [p for p in self._all_params() if p.dtype in LOW_PRECISION]
+        masters = sum(self._uses_master(p) for p in low)
+        accumulated = sum(self._uses_main_grad(p) for p in low)
+        backend = self._backend.NAME if self._backend is not None else (self._backend_name or "auto (resolved at the first step)")
+        lines.insert(1, f"  backend: {backend}, max_grad_norm: {self.max_grad_norm}, "
+                        f"fp32 master weights: {masters} of {len(low)} fp16/bf16 params, "
+                        f"fp32 grad accumulation: {accumulated} of {len(low)}")
+        return "\n".join(lines)
 
     # ---------------------------------------------------------------- param registration
 
@@ -134,13 +159,17 @@ class FusedAmpAdamW(Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         param_group = {**param_group, "params": params}  # a generator must survive being read twice
-        for p in params:
-            self._check_param(p[1] if isinstance(p, tuple) else p)  # named_parameters() gives (name, param)
-        # [distributed] DTensor params: all or none, on one mesh (see ampfused.distributed)
-        distributed.check_params(self._all_params() + [p[1] if isinstance(p, tuple) else p for p in params])
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # named_parameters() gives (name, param)
+        for p in tensors:
+            self._check_param(p)
+        if len({id(p) for p in tensors}) != len(tensors):
+            # torch.optim.AdamW warns and applies such a param twice per step; one fused launch cannot
+            raise ValueError("a parameter group lists the same parameter more than once: list each parameter once")
+        distributed.check_params(self._all_params() + tensors)  # [distributed] DTensors: all or none, one mesh
         group_options = {k: v for k, v in param_group.items() if k != "params"}
         merged = {**self.defaults, **group_options}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        param_group.update({k: v for k, v in IMPLEMENTATION_KEYS.items() if k in param_group})
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._param_dtypes[p] = p.dtype
@@ -157,8 +186,11 @@ class FusedAmpAdamW(Optimizer):
             raise ValueError(f"parameter dtype {p.dtype} is not supported: FusedAmpAdamW takes float32, float16 and bfloat16 params")
         if p.is_sparse:
             raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
-        if not p.is_contiguous():
-            raise ValueError("non-contiguous parameter: FusedAmpAdamW's kernels address params as flat memory; make it contiguous before building the optimizer")
+        if not is_dense(p):
+            raise ValueError(
+                f"parameter of shape {tuple(p.shape)} with strides {p.stride()} is a view with gaps or overlaps "
+                "(e.g. a slice or an expand of another tensor): FusedAmpAdamW steps dense params of any memory format; "
+                "pass a tensor of its own (p.clone() or p.contiguous())")
         if distributed.is_dtensor(p) and p.dtype in LOW_PRECISION and self.fp32_grad_accumulation:
             raise ValueError(
                 "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
@@ -185,53 +217,11 @@ class FusedAmpAdamW(Optimizer):
     # ---------------------------------------------------------------- fp32 gradient accumulation
 
     def _setup_main_grads(self) -> None:
-        """(Re)build the flat fp32 main_grad storage and hook every param that needs it."""
+        """(Re)build the flat fp32 gradient storage and hook every param that needs it (``_main_grad``)."""
         wanted = [p for p in self._all_params() if self._uses_main_grad(p) and p.requires_grad]  # frozen: no hook
-        old = {} if self._main_grad_flat is None else dict(zip(self._main_grad_params, self._main_grad_flat.views))
-        self._main_grad_flat = FlatBuffer(wanted, self._device) if wanted else None
-        self._main_grad_params = wanted
-        for i, p in enumerate(wanted):
-            if p in old:
-                self._main_grad_flat.views[i].copy_(old[p])
-            # a newer optimizer over the same params takes them over: the owner tag tells the hooks
-            p.main_grad = self._main_grad_flat.views[i]
-            p._ampfused_owner = self._self_ref
-            if p not in old:
-                self._hooks.append((p, p.register_post_accumulate_grad_hook(_accumulate_hook(self._self_ref))))
-
-    def _owns_main_grad(self, p: Tensor) -> bool:
-        return getattr(p, "_ampfused_owner", None) is self._self_ref
-
-    def _fold_grad(self, p: Tensor) -> None:
-        """Add the fresh low-precision p.grad into p.main_grad and free it."""
-        grad = p.grad
-        _check_grad(p, grad)
-        if _multi_process():
-            # [note: DDP] DDP all-reduces p.grad from its own autograd hooks; folding p.grad into a
-            # local main_grad here would race with it and step on unreduced gradients.
-            raise RuntimeError(
-                "fp32_grad_accumulation is not supported in a multi-process run (DistributedDataParallel "
-                "all-reduces p.grad, which the accumulation hook frees): build FusedAmpAdamW with "
-                "fp32_grad_accumulation=False (master weights stay on; DDP reduces the fp16/bf16 grads), or "
-                "use fp32 params under torch.autocast")
-        if p in self._consumed:  # the previous step used main_grad: this backward starts anew
-            p.main_grad.copy_(grad)
-            self._consumed.discard(p)
-        else:
-            self._get_backend().accumulate_(p.main_grad, grad)
-        p.grad = None
-        self._pending.add(p)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients: ``p.grad`` as torch does, and the fp32 ``main_grad`` storage to zero."""
-        super().zero_grad(set_to_none)
-        if self._main_grad_flat is not None:
-            self._main_grad_flat.data.zero_()
-            if set_to_none:
-                self._pending.clear()
-            else:  # like torch's zeroed grads, a zero main_grad still takes part in the next step
-                self._pending |= self._consumed
-            self._consumed.clear()
+        if wanted and not _main_grad.SUPPORTED:
+            raise RuntimeError(_main_grad.UNSUPPORTED_MESSAGE)
+        self._main_grads.setup(wanted, self._device)
 
     # ---------------------------------------------------------------- backend and state
 
@@ -297,7 +287,8 @@ class FusedAmpAdamW(Optimizer):
     # ---------------------------------------------------------------- step
 
     def _grads_to_step(self) -> list[tuple[Tensor, Tensor, dict]]:
-        """(param, grad, group) for every param that has a gradient; validates before any write."""
+        """(param, p.grad, group) for every param that has a gradient; validates before any write."""
+        self._main_grads.relayout_if_strides_changed()
         out = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -305,20 +296,18 @@ class FusedAmpAdamW(Optimizer):
                     raise RuntimeError(
                         f"a parameter changed from {self._param_dtypes[p]} on {self._device} to {p.dtype} on {p.device} "
                         "after the optimizer was built (e.g. model.half() afterwards): build the optimizer after converting the model")
-                if not p.is_contiguous():
-                    raise RuntimeError(
-                        f"a parameter of shape {tuple(p.shape)} became non-contiguous after the optimizer was built (p.data was "
-                        "replaced by a strided view): FusedAmpAdamW's kernels address params as flat memory; keep params contiguous")
-                if self._owns_main_grad(p):
-                    if p.grad is not None:
-                        self._fold_grad(p)
-                    if p in self._pending:
-                        out.append((p, p.main_grad, group))
-                elif p.grad is not None:
-                    _check_grad(p, p.grad)
-                    if not p.grad.is_contiguous():  # in place, so an unscale_ reaches what the step reads
-                        p.grad = p.grad.contiguous()
-                    out.append((p, p.grad, group))
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad is not getattr(p, "main_grad", None):  # main_grad is valid by construction
+                    if not is_dense(p):
+                        raise RuntimeError(
+                            f"a parameter of shape {tuple(p.shape)} became a view with gaps or overlaps (strides "
+                            f"{p.stride()}) after the optimizer was built (p.data was replaced by a slice?): keep params dense")
+                    _check_grad(p, grad)
+                    if grad.stride() != p.stride():  # in place, so an unscale_ reaches what the step reads
+                        p.grad = grad = torch.empty_like(p, dtype=grad.dtype).copy_(grad)
+                out.append((p, grad, group))
         return out
 
     # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
@@ -341,11 +330,6 @@ class FusedAmpAdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
-        if hasattr(self, "found_inf") and found_inf_out is None and self._main_grad_flat is not None:
-            raise RuntimeError(
-                "torch.amp.GradScaler cannot see gradients accumulated in p.main_grad, so it would never react to "
-                "their overflows: drive FusedAmpAdamW with ampfused.GradScaler (a drop-in subclass), or build it with "
-                "fp32_grad_accumulation=False")
         work = self._grads_to_step()
         if not work:
             return loss
@@ -354,6 +338,8 @@ class FusedAmpAdamW(Optimizer):
             state = self.state[p]
             if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
                 self._init_state(p, group["amsgrad"])
+            elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
+                self._build_state_layout()
         group_hyper = {}
         for p, grad, group in work:
             state = self.state[p]
@@ -377,28 +363,31 @@ class FusedAmpAdamW(Optimizer):
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
         if found_inf_out is not None:
             found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
-        consumed = [p for p in params if p in self._pending]
-        self._pending.difference_update(consumed)
-        self._consumed.update(consumed)
         return loss
 
     # ---------------------------------------------------------------- GradScaler support
 
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale: Tensor, found_inf: Tensor) -> None:
-        """Unscale every gradient this optimizer will read (main_grad included), for GradScaler.unscale_."""
+        """Unscale every gradient this optimizer will read, for GradScaler.unscale_ (fp16 and bf16 grads too)."""
         from .reference import unscale_and_check_
 
         work = self._grads_to_step()
-        if self.max_grad_norm is None and any(self._owns_main_grad(p) for p, _, _ in work):
-            warnings.warn(
-                "GradScaler.unscale_(FusedAmpAdamW): the fp16/bf16 gradients live in p.main_grad and p.grad is None, so "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would clip nothing; pass max_grad_norm= to "
-                "FusedAmpAdamW to clip inside the step (opt.grad_norm holds the norm)", stacklevel=3)
-        if work:
-            unscale_and_check_([g for _, g, _ in work], inv_scale.to(self._device), found_inf)
+        if work:  # [distributed] local shards; the step all-reduces found_inf with the stats
+            unscale_and_check_(distributed.local_tensors([g for _, g, _ in work]), inv_scale.to(self._device), found_inf)
 
     # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's state dict (its keys, shapes and fp32 state) plus ``master_param``.
+
+        The param groups carry torch.optim.AdamW's defaults for ``foreach``/``fused``/``capturable``
+        (see [note: implementation keys]), so the dict loads into either class.
+        """
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group.update(TORCH_IMPLEMENTATION_DEFAULTS)
+        return state_dict
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -439,6 +428,7 @@ class FusedAmpAdamW(Optimizer):
             steps[key] = step.reshape(())
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+            group.update(IMPLEMENTATION_KEYS)
             group["betas"] = tuple(group["betas"])
         self.state = defaultdict(dict)
         self._build_state_layout()
@@ -452,11 +442,6 @@ class FusedAmpAdamW(Optimizer):
                     distributed.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _multi_process() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_grad(p: Tensor, grad: Tensor) -> None:
@@ -473,23 +458,3 @@ def _check_grad(p: Tensor, grad: Tensor) -> None:
             "bfloat16 gradients")
     if grad.device != p.device:
         raise RuntimeError(f"gradient on {grad.device} for a parameter on {p.device}")
-
-
-def _accumulate_hook(optimizer_ref):
-    """Post-accumulate-grad hook folding p.grad into p.main_grad, while this optimizer owns it."""
-
-    def hook(p: Tensor) -> None:
-        optimizer = optimizer_ref()
-        if optimizer is not None and p.grad is not None and optimizer._owns_main_grad(p):
-            optimizer._fold_grad(p)
-
-    return hook
-
-
-def _release_main_grads(hooks: list, owner_ref) -> None:
-    """Finalizer of a FusedAmpAdamW: remove its hooks, and main_grad where no newer optimizer owns it."""
-    for p, handle in hooks:
-        handle.remove()
-        if getattr(p, "_ampfused_owner", None) is owner_ref:
-            del p.main_grad, p._ampfused_owner
-    hooks.clear()

@@ -15,9 +15,10 @@ step and the next forward, plus folding each micro-batch's gradient for low-prec
     update on the masters and ``_foreach_copy_(params, masters)`` writes the low-precision params.
 
 * ``ampfused-<backend>`` -- ``FusedAmpAdamW(max_grad_norm=...)`` + ``ampfused.GradScaler``: for each
-  micro-batch, ``p.grad = g`` and the param's post-accumulate-grad hooks run (exactly the code
-  autograd runs at the end of ``backward()``: fold into ``p.main_grad``); then ``scaler.step(opt)``;
-  ``scaler.update()``; ``opt.zero_grad()`` (zeroes ``main_grad`` for the next accumulation).
+  micro-batch what autograd's AccumulateGrad does at the end of ``backward()``: ``p.grad = g`` when
+  ``p.grad`` is None (the hook then writes it into fp32 ``p.main_grad`` and makes that ``p.grad``),
+  else ``p.grad += g`` in place into the fp32 gradient, then the post-accumulate-grad hooks; then
+  ``scaler.step(opt)``; ``scaler.update()``; ``opt.zero_grad()`` (``p.grad = None``, no zeroing pass).
 
 [note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
 loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
@@ -155,7 +156,11 @@ class AmpfusedAdamW(Provider):
         if self.config.low_precision:
             for micro_batch in self.data.grads:
                 for p, g, hooks in zip(self.params, micro_batch, self.hooks):
-                    p.grad = g
+                    # what AccumulateGrad does in a no-grad backward: hand a fresh grad over, else add in place
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
                     for hook in hooks:
                         hook(p)
         self.scaler.step(self.opt)
@@ -199,9 +204,9 @@ def bytes_per_param(provider: str, case: Case) -> float:
       first micro-batch, cast-add of the others, the fp32 step on the masters, and the copy of the
       masters into the params.
     * ampfused, fp32 params: ``4 + 28 = 32`` -- stats pass (read g) and update pass, whatever s, c.
-    * ampfused, bf16/fp16: ``N(L+8) + 4 + 4 + (28+L)`` -- accumulation (read g, read+write
-      main_grad), zeroing main_grad, stats pass, update pass (read main_grad, master, m, v; write
-      master, m, v and the low-precision param).
+    * ampfused, bf16/fp16: ``(L+4) + (N-1)(L+8) + 4 + (28+L)`` -- the first micro-batch written into
+      the fp32 ``p.grad`` (read g, write fp32), the others added in place (read g, read+write fp32),
+      stats pass, update pass (read p.grad, master, m, v; write master, m, v and the param).
 
     [note: nominal bytes] This is the traffic of each implementation's passes at one read/write
     per operand; torch's foreach AdamW materializes intermediates and moves more, so its effective
@@ -220,4 +225,4 @@ def bytes_per_param(provider: str, case: Case) -> float:
         return (lp + 4) + (n - 1) * (lp + 8) + core + (4 + lp)
     if not cfg.low_precision:
         return 32
-    return n * (lp + 8) + 4 + 4 + (28 + lp)
+    return (lp + 4) + (n - 1) * (lp + 8) + 4 + (28 + lp)

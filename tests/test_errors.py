@@ -41,9 +41,11 @@ def test_unsupported_dtype():
         ampfused.FusedAmpAdamW([param(3, dtype=torch.float64)])
 
 
-def test_non_contiguous_params():
-    with pytest.raises(ValueError, match="non-contiguous"):
-        ampfused.FusedAmpAdamW([torch.nn.Parameter(torch.randn(4, 6)).t()])
+def test_params_with_gaps_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="gaps or overlaps"):
+        ampfused.FusedAmpAdamW([torch.nn.Parameter(torch.randn(4, 12))[:, ::2]])
+    with pytest.raises(ValueError, match="gaps or overlaps"):
+        ampfused.FusedAmpAdamW([torch.randn(1, 6).expand(4, 6).requires_grad_()])
 
 
 def test_sparse_gradients_raise_and_change_nothing(backend):

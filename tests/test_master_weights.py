@@ -20,8 +20,8 @@ def test_accumulated_master_training_matches_fp32_reference(backend, device, dty
     model = make_model(dtype, device)
     params = list(model.parameters())
     captured = {p: [] for p in params}
-    for p in params:  # registered before the optimizer's hook, so it sees each fresh low-precision grad
-        p.register_post_accumulate_grad_hook(lambda p: captured[p].append(p.grad.clone()))
+    for p in params:  # a tensor hook sees each fresh low-precision grad before it is accumulated
+        p.register_hook(lambda g, p=p: captured[p].append(g.clone()))
     opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend)
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     ref = torch.optim.AdamW(masters, lr=1e-2)
@@ -30,18 +30,19 @@ def test_accumulated_master_training_matches_fp32_reference(backend, device, dty
             g = torch.Generator().manual_seed(step * 10 + mb)
             x = torch.randn(5, 24, generator=g).to(device=device, dtype=dtype)
             model(x).float().pow(2).mean().backward()
-            assert all(p.grad is None for p in params), "p.grad must be freed once folded into main_grad"
+            assert all(p.grad is p.main_grad and p.grad.dtype == torch.float32 for p in params), \
+                "after every backward p.grad must be the fp32 main_grad"
         for p, m in zip(params, masters):
             assert len(captured[p]) == MICRO_BATCHES and captured[p][0].dtype == dtype
-            m.grad = torch.zeros_like(m)
-            for g in captured[p]:
+            m.grad = captured[p][0].float()
+            for g in captured[p][1:]:
                 m.grad += g.float()  # fp32 accumulation, in micro-batch order
-            torch.testing.assert_close(p.main_grad, m.grad, rtol=0, atol=0)
+            torch.testing.assert_close(p.grad, m.grad, rtol=0, atol=0)
             captured[p].clear()
         opt.step()
         ref.step()
         opt.zero_grad()
-        assert all(p.main_grad.abs().sum() == 0 for p in params), "zero_grad must zero main_grad"
+        assert all(p.grad is None for p in params), "zero_grad() clears p.grad as torch does"
     for p, m in zip(params, masters):
         state = opt.state[p]
         assert state["master_param"].dtype == torch.float32
@@ -58,7 +59,7 @@ def test_main_grad_is_a_view_of_flat_storage(device):
     storages = {p.main_grad.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(storages) == 1 and all(p.main_grad.dtype == torch.float32 for p in model.parameters())
     assert all(p.main_grad.data_ptr() % 128 == 0 for p in model.parameters())
-    assert opt._main_grad_flat is not None
+    assert opt._main_grads.flat is not None
 
 
 def test_flags_off_read_low_precision_grads_directly(backend, device):

@@ -1,0 +1,112 @@
+"""fp32 gradients for fp16/bf16 params: ``p.grad`` is a view of optimizer-owned flat fp32 storage.
+
+[note: fp32 p.grad] ``Tensor.grad_dtype`` (torch >= 2.10) says which dtype a leaf's ``.grad`` may
+have; ``None`` lets it hold any. With ``p.grad_dtype = None`` and ``p.grad`` set to an fp32 view
+``p.main_grad`` of our flat storage, autograd's own AccumulateGrad does every later micro-batch as
+``p.grad += g`` in place: fp32 math, no Python, and on a GPU one kernel that reads the fp16/bf16
+``g`` once and reads and writes fp32 (10 B/param). Only the first micro-batch after a clear (the
+user's ``zero_grad()``, ``model.zero_grad()``, ``p.grad = None``) differs: autograd then hands the
+fresh low-precision gradient over as ``p.grad`` and the post-accumulate hook writes it into
+``main_grad`` (a cast copy: 6 B/param, no zeroing pass, no add to zeros) and points ``p.grad`` back
+at it. So after every backward ``p.grad`` is the fp32 gradient that everything reads -- the
+user's ``clip_grad_norm_``, ``torch.amp.GradScaler``, logging, hooks registered after ours -- and
+there is no state machine: what ``p.grad`` holds is the gradient, as for an fp32 model.
+
+(``p.grad_dtype = torch.float32`` would look simpler, but then AccumulateGrad casts ``g`` to fp32 in
+a separate kernel before adding: 18 B/param.)
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._flat import FlatBuffer
+
+OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
+SUPPORTED = hasattr(torch.Tensor, "grad_dtype")
+UNSUPPORTED_MESSAGE = (
+    f"fp32_grad_accumulation needs Tensor.grad_dtype (torch >= 2.10) so that an fp16/bf16 param can hold its "
+    f"fp32 gradient in p.grad; torch {torch.__version__} lacks it: upgrade torch, or pass "
+    f"fp32_grad_accumulation=False (gradients are then read in the param dtype)")
+
+
+class MainGrads:
+    """The flat fp32 gradients of one optimizer's fp16/bf16 params and the hooks that keep ``p.grad`` in them.
+
+    A param carries ``p.main_grad`` (its view); ``OWNERS`` maps it to (a weak reference to) the
+    optimizer that owns it: a newer optimizer over the same params takes them over, and the hooks of
+    an older one then do nothing. [note: no weakref on params] the owner is not a param attribute:
+    ``torch.save(model)`` pickles param attributes, and a weak reference does not pickle.
+    """
+
+    def __init__(self, owner: object):
+        self.owner_ref = weakref.ref(owner)
+        self.flat: FlatBuffer | None = None
+        self.params: list[Tensor] = []
+        self.hooks: list = []  # (param, handle, grad_dtype before we changed it)
+        # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
+        weakref.finalize(owner, _release, self.hooks, self.owner_ref)
+
+    def owns(self, p: Tensor) -> bool:
+        return OWNERS.get(p) is self.owner_ref
+
+    def setup(self, params: list[Tensor], device: torch.device) -> None:
+        """(Re)lay out the flat storage for ``params`` and hook the ones not hooked yet.
+
+        A gradient a param already holds (accumulated here before a re-layout, by another optimizer
+        that owned the param, or by a backward before this optimizer was built) moves into the new
+        storage, so it keeps accumulating in fp32.
+        """
+        self.flat = FlatBuffer(params, device) if params else None
+        self.params = params
+        for p, view in zip(params, self.flat.views if params else ()):
+            if not self.owns(p):
+                before = p.dtype if p in OWNERS else p.grad_dtype
+                p.grad_dtype = None  # p.grad may now be fp32 (see the module note)
+                self.hooks.append((p, p.register_post_accumulate_grad_hook(_adopt_hook(self.owner_ref)), before))
+            grad = p.grad
+            if grad is not None and not grad.is_sparse and grad.shape == p.shape and grad.device == p.device:
+                view.copy_(grad)
+                p.grad = view
+            p.main_grad = view
+            OWNERS[p] = self.owner_ref
+
+    def relayout_if_strides_changed(self) -> None:
+        """A param whose memory format changed after construction (``model.to(memory_format=...)``) gets matching views."""
+        if self.flat is not None and any(v.stride() != p.stride() for p, v in zip(self.params, self.flat.views)):
+            self.setup(self.params, self.flat.data.device)
+
+
+def adopt(p: Tensor) -> None:
+    """Write a fresh gradient of ``p`` into ``p.main_grad`` and make that ``p.grad`` (see the module note)."""
+    from .optim import _check_grad
+
+    grad = p.grad
+    _check_grad(p, grad)
+    main = p.main_grad
+    main.copy_(grad)
+    p.grad = main
+
+
+def _adopt_hook(owner_ref):
+    def hook(p: Tensor) -> None:
+        # the common path (micro-batch 2..N: autograd added into main_grad itself) is one identity test
+        grad = p.grad
+        if grad is not None and grad is not getattr(p, "main_grad", None) and OWNERS.get(p) is owner_ref:
+            adopt(p)
+
+    return hook
+
+
+def _release(hooks: list, owner_ref) -> None:
+    """Finalizer: remove the hooks, and main_grad and grad_dtype where no newer optimizer owns the param."""
+    for p, handle, grad_dtype in hooks:
+        handle.remove()
+        if OWNERS.get(p) is owner_ref:
+            del p.main_grad, OWNERS[p]
+            if p.grad is None or p.grad.dtype == grad_dtype:
+                p.grad_dtype = grad_dtype
+    hooks.clear()
