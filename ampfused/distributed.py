@@ -1,155 +1,189 @@
-"""DTensor (FSDP2) support: the passes run on local shards, the stats are summed over the mesh.
+"""DistributedDataParallel for fp16/bf16 params whose gradients FusedAmpAdamW accumulates in fp32.
 
-[note: DTensor params] ``fully_shard`` replaces every param by a DTensor whose local tensor is this
-rank's shard (``Shard(0)``, uneven and possibly empty). The optimizer keeps its flat buffers in
-local shapes, hands the backends the local tensors (one launch per pass over all local shards, as
-for plain params), and exposes state as DTensors with the param's mesh and placements over those
-same local views (as ``torch.optim.AdamW``'s ``zeros_like(p)`` would), which is what
-``torch.distributed.checkpoint`` needs to save, load and reshard them.
+[note: why DDP cannot reduce them] DDP's reducer builds its buckets in the *param* dtype and checks
+every gradient against them (``Expected BFloat16, got Float``), before any comm hook runs; a comm
+hook sees only the bf16 bucket. So an fp32 gradient of a bf16 param can be all-reduced by DDP only
+through its private ``mixed_precision`` mode. :func:`data_parallel` instead builds a stock
+:class:`torch.nn.parallel.DistributedDataParallel` that leaves those params out (DDP's own
+``_set_params_and_buffers_to_ignore_for_model``, the mechanism torchrec and FSDP use) and
+all-reduces their fp32 flat storage (``p.main_grad``, which ``p.grad`` is) itself, as one
+collective at the end of every backward that DDP would sync (not under ``no_sync()``). Everything
+else — fp32 params, buffers, ``no_sync``, ``gradient_as_bucket_view``, ``static_graph`` — is DDP's.
 
-[note: global stats] The clip norm and the skip decision need the sum of squares over every
-shard of every rank: :func:`localize` returns a ``reduce_stats`` callback that ``run_step`` calls
-between the stats pass and the finish. It all-reduces (SUM) one small fp32 tensor — the 0-d sum of
-squares, plus the scaler's inf flag when there is one — over the process group of every sharded
-mesh dimension (one collective for FSDP2 and HSDP), with no host synchronization. An inf/NaN in
-any shard makes every rank's sum non-finite, so every rank takes the same skip decision.
-Replicated mesh dimensions (HSDP's replicas) are not summed: their grads are already identical.
+Wire format: the fp32 gradients travel in fp32, 4 B per param (plus at most 124 B of alignment
+padding per param), one all-reduce of the whole flat buffer per synced backward; a stock DDP over
+bf16 params with ``fp32_grad_accumulation=False`` sends 2 B per param in bf16. Measure with
+``python benchmarks/ddp_wire_bytes.py``.
 
-Nothing here imports ``torch.distributed.tensor`` unless a param is a DTensor.
+The reduction is ``SUM`` then ``/ world_size`` in fp32 (DDP's average). A param that got no gradient
+on this rank in the synced backward contributes zeros, and ends with a gradient (zeros where it was
+unused on every rank), like DDP's ``find_unused_parameters=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-StatsReducer = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
+__all__ = ["data_parallel"]
 
 
-def _dtensor_type():
-    # only a module that is already imported can have made a DTensor: no import cost otherwise
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel(module, **ddp_kwargs)`` for a ``FusedAmpAdamW`` with fp32-accumulated params.
 
+    Build the optimizer on ``module.parameters()`` first, then wrap::
 
-def is_dtensor(t) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
+        opt = ampfused.FusedAmpAdamW(model.parameters(), lr=3e-4, max_grad_norm=1.0)
+        model = ampfused.distributed.data_parallel(model, opt, device_ids=[rank])
 
-
-def local(t: Tensor | None) -> Tensor | None:
-    """The local shard of a DTensor (the tensor itself, aliasing its storage); anything else as is."""
-    return t._local_tensor if is_dtensor(t) else t
-
-
-def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
-    return [local(t) for t in ts]
-
-
-def like_param(view: Tensor, p: Tensor) -> Tensor:
-    """``view`` (local, optimizer-owned) as state of ``p``: a DTensor over ``view`` when ``p`` is one."""
-    if not is_dtensor(p):
-        return view
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-
-
-def check_state(p: Tensor, value: Tensor, what: str) -> None:
-    """Refuse, before any write, a state tensor that cannot be copied into ``p``'s state."""
-    if is_dtensor(p) and not is_dtensor(value):
-        raise ValueError(
-            f"{what} is a plain tensor but the parameter is a DTensor: load sharded optimizer state through "
-            "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (it distributes full state dicts)")
-    if is_dtensor(value) and not is_dtensor(p):
-        raise ValueError(f"{what} is a DTensor but the parameter is a plain tensor: the state dict belongs to a sharded model")
-
-
-def copy_state_(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` for optimizer state, shard by shard when ``dst`` is a DTensor (see :func:`check_state`)."""
-    if is_dtensor(dst):
-        if src.device_mesh != dst.device_mesh or tuple(src.placements) != tuple(dst.placements):
-            src = src.redistribute(dst.device_mesh, dst.placements)
-        dst._local_tensor.copy_(src._local_tensor)
-    else:
-        dst.copy_(src)
-
-
-def check_params(params: Sequence[Tensor]) -> None:
-    """Refuse what the global stats cannot serve, before anything is built (see :func:`_plan`)."""
-    _plan(params)
-
-
-def localize(params: list[Tensor], grads: list[Tensor], *lists: list) -> tuple[list, StatsReducer | None]:
-    """Local shards of ``params``, ``grads`` and the state ``lists``; and the stats reducer.
-
-    Plain params come back unchanged with ``None`` for the reducer. Every DTensor grad must have
-    the placements of its param (a Partial grad's local sum of squares is not its shard's).
+    The fp16/bf16 params whose gradients ``optimizer`` accumulates in fp32 are all-reduced in fp32
+    by this wrapper (see the module note); every other param is DDP's as usual. ``ddp_kwargs`` go
+    to DDP unchanged.
     """
-    plan = _plan(params)
-    if plan is None:
-        return [params, grads, *lists], None
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if not is_dtensor(g) or tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
-            placements = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
-            raise RuntimeError(
-                f"gradient {i} of a DTensor parameter with placements {tuple(p.placements)} is {placements}: "
-                "FusedAmpAdamW steps on local shards and needs each gradient sharded like its parameter")
-    out = [local_tensors(params), local_tensors(grads)]
-    out += [[None if t is None else local(t) for t in ts] for ts in lists]
-    return out, plan
+    from .optim import FusedAmpAdamW
 
-
-def _plan(params: Sequence[Tensor]) -> StatsReducer | None:
-    """None for plain params; for DTensors on one mesh, the reducer over their sharded dims."""
-    dtensors = [p for p in params if is_dtensor(p)]
-    if not dtensors:
-        return None
-    if len(dtensors) != len(params):
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("data_parallel() takes the bare module: it builds the DistributedDataParallel itself")
+    if not isinstance(optimizer, FusedAmpAdamW):
+        raise TypeError(f"data_parallel() needs the FusedAmpAdamW over the module's params, got {type(optimizer).__name__}")
+    main_grads = optimizer._main_grads
+    ours = {id(p) for p in main_grads.params}
+    names = [name for name, p in module.named_parameters() if id(p) in ours]
+    if len(names) != len(ours):
         raise ValueError(
-            f"{len(dtensors)} of {len(params)} parameters are DTensors and the others plain tensors: FusedAmpAdamW computes "
-            "one global gradient norm per optimizer and cannot tell whether a plain tensor's gradient is replicated or "
-            "local; shard every parameter (fully_shard the root module too) or use one optimizer per kind")
-    mesh = dtensors[0].device_mesh
-    sharded = _sharded_dims(dtensors[0])
-    for p in dtensors[1:]:
-        if p.device_mesh != mesh or _sharded_dims(p) != sharded:
-            raise ValueError(
-                f"DTensor parameters on different meshes or sharded over different mesh dimensions ({mesh} "
-                f"{dtensors[0].placements} and {p.device_mesh} {p.placements}): the sum of squares would be "
-                "reduced over different groups; use one FusedAmpAdamW per mesh/placement kind")
-    if not sharded:
-        return None  # replicated everywhere: every rank already has the whole gradient
-    return _MeshReducer([mesh.get_group(d) for d in sharded])
+            f"{len(ours) - len(names)} params whose gradients the optimizer accumulates in fp32 are not params of this "
+            "module: build the optimizer on module.parameters() (and wrap the same module)")
+    left = [p for n, p in module.named_parameters() if p.requires_grad and n not in set(names)]
+    if names and not left:
+        # DDP refuses a module with nothing left for its reducer: the same surface, without a reducer
+        ddp = _Fp32DataParallel(module, **ddp_kwargs)
+    else:
+        if names:
+            already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, already + names)
+        ddp = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
+    if names:
+        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"))
+    return ddp
 
 
-def _sharded_dims(p: Tensor) -> tuple[int, ...]:
-    dims = []
-    for d, placement in enumerate(p.placements):
-        if placement.is_shard():
-            dims.append(d)
-        elif not placement.is_replicate():
-            raise ValueError(f"DTensor parameter with placement {placement} on mesh dim {d}: only Shard and Replicate params are supported")
-    return tuple(dims)
+# DDP arguments that only tune its reducer's buckets and graph bookkeeping: meaningless without one
+_REDUCER_ONLY = {"device_ids", "output_device", "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view",
+                 "static_graph", "check_reduction", "dim"}
 
 
-class _MeshReducer:
-    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim."""
+class _Fp32DataParallel(torch.nn.Module):
+    """What ``data_parallel`` returns when every trainable param is fp32-accumulated (DDP would refuse
+    the module): ``.module``, ``forward``, ``no_sync()``, ``require_backward_grad_sync``, the state
+    dict keys of DDP (``module.``-prefixed), rank 0's params and buffers at construction, and its
+    buffers before every forward (``broadcast_buffers``, DDP's default)."""
 
-    def __init__(self, groups: list):
-        self.groups = groups
-
-    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def __init__(self, module, process_group=None, broadcast_buffers=True, **kwargs):
         import torch.distributed as dist
 
-        if isinstance(found_inf, Tensor):
-            packed = torch.stack([sumsq.reshape(()), found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()])
-        else:  # a plain number stays a plain number: every rank has the same one
-            packed = sumsq.reshape(1)
-        for group in self.groups:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        if isinstance(found_inf, Tensor):
-            return packed[0], packed[1]
-        return packed[0], found_inf
+        unknown = set(kwargs) - _REDUCER_ONLY
+        if unknown:
+            raise TypeError(f"data_parallel() got DistributedDataParallel arguments it cannot honour here: {sorted(unknown)}")
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, self._src, group=process_group)
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, self._src, group=self.process_group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
+class _Fp32Reducer:
+    """All-reduces the optimizer's flat fp32 gradients once at the end of each synced backward."""
+
+    def __init__(self, ddp, main_grads, group):
+        self.main_grads = main_grads
+        self.group = group
+        self.ddp = ddp
+        self.sync = False  # latched at forward, as DDP decides at forward whether the backward syncs
+        self.queued = False
+        ddp.register_forward_pre_hook(self._latch)
+        for p in main_grads.params:  # after the optimizer's own hook: p.grad is main_grad by then
+            p.register_post_accumulate_grad_hook(self._queue)
+        ddp._ampfused_fp32_reducer = self  # lives as long as the DDP module
+
+    def _latch(self, ddp, args) -> None:
+        self.sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+
+    def _queue(self, p: Tensor) -> None:
+        if self.sync and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        import torch.distributed as dist
+
+        self.queued = False
+        self.sync = False
+        flat = self.main_grads.flat
+        for p, view in zip(self.main_grads.params, flat.views):
+            if p.grad is not view:  # no gradient here this backward: contribute zeros (same bytes on every rank)
+                view.zero_()
+                p.grad = view
+        world = dist.get_world_size(self.group)
+        dist.all_reduce(flat.data, op=dist.ReduceOp.SUM, group=self.group)
+        flat.data.div_(world)
+
+
+# ---------------------------------------------------------------- ZeroRedundancyOptimizer
+
+def zero_stats_reducer(max_frames: int = 4):
+    """A :class:`GroupReducer` over the group of the ZeroRedundancyOptimizer constructing the caller, or None.
+
+    [note: ZeRO] ``ZeroRedundancyOptimizer(params, optimizer_class=FusedAmpAdamW)`` builds one
+    FusedAmpAdamW per rank over that rank's partition, with the user's keyword arguments. The
+    clip norm and the skip decision must cover every partition, so such an optimizer all-reduces
+    its sum of squares over ZeRO's group (the partitions are disjoint: the sum is the global one).
+    ZeRO passes nothing that says so; its frame on the stack does.
+    """
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if module is None:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, module.ZeroRedundancyOptimizer):
+            return GroupReducer(candidate.process_group)
+        frame = frame.f_back
+    return None
+
+
+class GroupReducer:
+    """``reduce_stats`` over one process group (ZeRO's partitions): SUM of the sum of squares and the inf flag."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, sumsq: Tensor, found_inf):
+        from ._dtensor import _MeshReducer
+
+        return _MeshReducer([self.group])(sumsq, found_inf)

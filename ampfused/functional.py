@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from . import _backends, distributed
+from . import _backends, _dtensor
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 
@@ -90,7 +90,7 @@ def fused_amp_adamw(
         return torch.zeros(()), torch.zeros(())
     module = _backends.resolve(backend, params[0].device)[0]
     # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
-    (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = distributed.localize(
+    (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
     return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
                     reduce_stats=reduce_stats)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _backends, _main_grad, distributed, functional
+from . import _backends, _dtensor, _main_grad, distributed, functional
 from ._flat import FlatBuffer, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -108,10 +108,17 @@ class FusedAmpAdamW(Optimizer):
         self.grad_norm: Tensor | None = None
         self._backend_name = backend
         self._init_runtime()
+        # [distributed] one partition of a ZeroRedundancyOptimizer: stats summed over its group (see [note: ZeRO])
+        self._zero_reducer = distributed.zero_stats_reducer()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         **IMPLEMENTATION_KEYS)
         super().__init__(params, defaults)
         self._params_registered = True
+        if self._zero_reducer is not None and any(self._uses_main_grad(p) for p in self._all_params()):
+            raise ValueError(
+                "ZeroRedundancyOptimizer(optimizer_class=FusedAmpAdamW) with fp16/bf16 params and fp32 gradient accumulation "
+                "is not supported: DDP all-reduces the gradients in the param dtype and cannot take the fp32 p.grad of a "
+                "partition; pass fp32_grad_accumulation=False (master weights stay fp32), or use fp32 params under autocast")
         self._setup_main_grads()
 
     def _init_runtime(self) -> None:
@@ -165,7 +172,7 @@ class FusedAmpAdamW(Optimizer):
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim.AdamW warns and applies such a param twice per step; one fused launch cannot
             raise ValueError("a parameter group lists the same parameter more than once: list each parameter once")
-        distributed.check_params(self._all_params() + tensors)  # [distributed] DTensors: all or none, one mesh
+        _dtensor.check_params(self._all_params() + tensors)  # [distributed] DTensors: all or none, one mesh
         group_options = {k: v for k, v in param_group.items() if k != "params"}
         merged = {**self.defaults, **group_options}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
@@ -191,7 +198,7 @@ class FusedAmpAdamW(Optimizer):
                 f"parameter of shape {tuple(p.shape)} with strides {p.stride()} is a view with gaps or overlaps "
                 "(e.g. a slice or an expand of another tensor): FusedAmpAdamW steps dense params of any memory format; "
                 "pass a tensor of its own (p.clone() or p.contiguous())")
-        if distributed.is_dtensor(p) and p.dtype in LOW_PRECISION and self.fp32_grad_accumulation:
+        if _dtensor.is_dtensor(p) and p.dtype in LOW_PRECISION and self.fp32_grad_accumulation:
             raise ValueError(
                 "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
                 "keep the sharded params fp32 and ask FSDP2 for fp32 gradients with "
@@ -205,7 +212,7 @@ class FusedAmpAdamW(Optimizer):
         return p.dtype in LOW_PRECISION and self.master_weights is not False
 
     def _uses_main_grad(self, p: Tensor) -> bool:
-        if p.dtype not in LOW_PRECISION or distributed.is_dtensor(p):  # [distributed] FSDP2 owns DTensor grads
+        if p.dtype not in LOW_PRECISION or _dtensor.is_dtensor(p):  # [distributed] FSDP2 owns DTensor grads
             return False
         if self.fp32_grad_accumulation is None:
             return self._uses_master(p)
@@ -240,7 +247,7 @@ class FusedAmpAdamW(Optimizer):
         params = self._all_params()
         amsgrad = [p for g in self.param_groups if g["amsgrad"] for p in g["params"]]
         masters = [p for p in params if self._uses_master(p)]
-        local = distributed.local_tensors  # [distributed] flat storage holds DTensor params' local shards
+        local = _dtensor.local_tensors  # [distributed] flat storage holds DTensor params' local shards
         flat = {"exp_avg": FlatBuffer(local(params), self._device), "exp_avg_sq": FlatBuffer(local(params), self._device)}
         if amsgrad:
             flat["max_exp_avg_sq"] = FlatBuffer(local(amsgrad), self._device)
@@ -257,13 +264,13 @@ class FusedAmpAdamW(Optimizer):
             for key in MOMENT_KEYS:
                 if key in state:
                     view = flat[key].views[slots[key][p]]
-                    view.copy_(distributed.local(state[key]))
-                    state[key] = distributed.like_param(view, p)
+                    view.copy_(_dtensor.local(state[key]))
+                    state[key] = _dtensor.like_param(view, p)
         self._state_flat, self._steps_flat, self._state_index, self._slots = flat, steps, index, slots
 
     def _view(self, key: str, p: Tensor) -> Tensor:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
-        return distributed.like_param(self._state_flat[key].views[self._slots[key][p]], p)
+        return _dtensor.like_param(self._state_flat[key].views[self._slots[key][p]], p)
 
     def _init_state(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
@@ -280,7 +287,7 @@ class FusedAmpAdamW(Optimizer):
             state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
             if self._uses_master(p):
                 state["master_param"] = self._view("master_param", p)
-                distributed.local(state["master_param"]).copy_(distributed.local(p))
+                _dtensor.local(state["master_param"]).copy_(_dtensor.local(p))
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._view("max_exp_avg_sq", p).zero_()
 
@@ -357,7 +364,8 @@ class FusedAmpAdamW(Optimizer):
             masters.append(state.get("master_param"))
             hypers.append(hyper)
         # [distributed] DTensor params: the passes run on the local shards, the stats are summed over the mesh
-        lists, reduce_stats = distributed.localize(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters)
+        lists, reduce_stats = _dtensor.localize(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters)
+        reduce_stats = reduce_stats or getattr(self, "_zero_reducer", None)
         self.grad_norm, skipped = functional.run_step(
             self._get_backend(), *lists[:5], steps, lists[5], hypers,
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
@@ -374,7 +382,7 @@ class FusedAmpAdamW(Optimizer):
 
         work = self._grads_to_step()
         if work:  # [distributed] local shards; the step all-reduces found_inf with the stats
-            unscale_and_check_(distributed.local_tensors([g for _, g, _ in work]), inv_scale.to(self._device), found_inf)
+            unscale_and_check_(_dtensor.local_tensors([g for _, g, _ in work]), inv_scale.to(self._device), found_inf)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -417,7 +425,7 @@ class FusedAmpAdamW(Optimizer):
                 raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
             for name in MOMENT_KEYS:
                 if name in values:  # [distributed] sharded state must come as DTensors
-                    distributed.check_state(p, values[name], f"state {name!r} of parameter {key}")
+                    _dtensor.check_state(p, values[name], f"state {name!r} of parameter {key}")
                 if name in values and tuple(values[name].shape) != tuple(p.shape):
                     raise ValueError(
                         f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
@@ -439,7 +447,7 @@ class FusedAmpAdamW(Optimizer):
             state["step"].copy_(steps[key])
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if name in values and name in state:
-                    distributed.copy_state_(state[name], values[name])
+                    _dtensor.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

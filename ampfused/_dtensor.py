@@ -1,0 +1,155 @@
+"""DTensor (FSDP2) params: the passes run on local shards, the stats are summed over the mesh.
+
+[note: DTensor params] ``fully_shard`` replaces every param by a DTensor whose local tensor is this
+rank's shard (``Shard(0)``, uneven and possibly empty). The optimizer keeps its flat buffers in
+local shapes, hands the backends the local tensors (one launch per pass over all local shards, as
+for plain params), and exposes state as DTensors with the param's mesh and placements over those
+same local views (as ``torch.optim.AdamW``'s ``zeros_like(p)`` would), which is what
+``torch.distributed.checkpoint`` needs to save, load and reshard them.
+
+[note: global stats] The clip norm and the skip decision need the sum of squares over every
+shard of every rank: :func:`localize` returns a ``reduce_stats`` callback that ``run_step`` calls
+between the stats pass and the finish. It all-reduces (SUM) one small fp32 tensor — the 0-d sum of
+squares, plus the scaler's inf flag when there is one — over the process group of every sharded
+mesh dimension (one collective for FSDP2 and HSDP), with no host synchronization. An inf/NaN in
+any shard makes every rank's sum non-finite, so every rank takes the same skip decision.
+Replicated mesh dimensions (HSDP's replicas) are not summed: their grads are already identical.
+
+Nothing here imports ``torch.distributed.tensor`` unless a param is a DTensor.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+StatsReducer = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
+
+
+def _dtensor_type():
+    # only a module that is already imported can have made a DTensor: no import cost otherwise
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: Tensor | None) -> Tensor | None:
+    """The local shard of a DTensor (the tensor itself, aliasing its storage); anything else as is."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
+    return [local(t) for t in ts]
+
+
+def like_param(view: Tensor, p: Tensor) -> Tensor:
+    """``view`` (local, optimizer-owned) as state of ``p``: a DTensor over ``view`` when ``p`` is one."""
+    if not is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def check_state(p: Tensor, value: Tensor, what: str) -> None:
+    """Refuse, before any write, a state tensor that cannot be copied into ``p``'s state."""
+    if is_dtensor(p) and not is_dtensor(value):
+        raise ValueError(
+            f"{what} is a plain tensor but the parameter is a DTensor: load sharded optimizer state through "
+            "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (it distributes full state dicts)")
+    if is_dtensor(value) and not is_dtensor(p):
+        raise ValueError(f"{what} is a DTensor but the parameter is a plain tensor: the state dict belongs to a sharded model")
+
+
+def copy_state_(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for optimizer state, shard by shard when ``dst`` is a DTensor (see :func:`check_state`)."""
+    if is_dtensor(dst):
+        if src.device_mesh != dst.device_mesh or tuple(src.placements) != tuple(dst.placements):
+            src = src.redistribute(dst.device_mesh, dst.placements)
+        dst._local_tensor.copy_(src._local_tensor)
+    else:
+        dst.copy_(src)
+
+
+def check_params(params: Sequence[Tensor]) -> None:
+    """Refuse what the global stats cannot serve, before anything is built (see :func:`_plan`)."""
+    _plan(params)
+
+
+def localize(params: list[Tensor], grads: list[Tensor], *lists: list) -> tuple[list, StatsReducer | None]:
+    """Local shards of ``params``, ``grads`` and the state ``lists``; and the stats reducer.
+
+    Plain params come back unchanged with ``None`` for the reducer. Every DTensor grad must have
+    the placements of its param (a Partial grad's local sum of squares is not its shard's).
+    """
+    plan = _plan(params)
+    if plan is None:
+        return [params, grads, *lists], None
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if not is_dtensor(g) or tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
+            placements = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
+            raise RuntimeError(
+                f"gradient {i} of a DTensor parameter with placements {tuple(p.placements)} is {placements}: "
+                "FusedAmpAdamW steps on local shards and needs each gradient sharded like its parameter")
+    out = [local_tensors(params), local_tensors(grads)]
+    out += [[None if t is None else local(t) for t in ts] for ts in lists]
+    return out, plan
+
+
+def _plan(params: Sequence[Tensor]) -> StatsReducer | None:
+    """None for plain params; for DTensors on one mesh, the reducer over their sharded dims."""
+    dtensors = [p for p in params if is_dtensor(p)]
+    if not dtensors:
+        return None
+    if len(dtensors) != len(params):
+        raise ValueError(
+            f"{len(dtensors)} of {len(params)} parameters are DTensors and the others plain tensors: FusedAmpAdamW computes "
+            "one global gradient norm per optimizer and cannot tell whether a plain tensor's gradient is replicated or "
+            "local; shard every parameter (fully_shard the root module too) or use one optimizer per kind")
+    mesh = dtensors[0].device_mesh
+    sharded = _sharded_dims(dtensors[0])
+    for p in dtensors[1:]:
+        if p.device_mesh != mesh or _sharded_dims(p) != sharded:
+            raise ValueError(
+                f"DTensor parameters on different meshes or sharded over different mesh dimensions ({mesh} "
+                f"{dtensors[0].placements} and {p.device_mesh} {p.placements}): the sum of squares would be "
+                "reduced over different groups; use one FusedAmpAdamW per mesh/placement kind")
+    if not sharded:
+        return None  # replicated everywhere: every rank already has the whole gradient
+    return _MeshReducer([mesh.get_group(d) for d in sharded])
+
+
+def _sharded_dims(p: Tensor) -> tuple[int, ...]:
+    dims = []
+    for d, placement in enumerate(p.placements):
+        if placement.is_shard():
+            dims.append(d)
+        elif not placement.is_replicate():
+            raise ValueError(f"DTensor parameter with placement {placement} on mesh dim {d}: only Shard and Replicate params are supported")
+    return tuple(dims)
+
+
+class _MeshReducer:
+    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        import torch.distributed as dist
+
+        if isinstance(found_inf, Tensor):
+            packed = torch.stack([sumsq.reshape(()), found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()])
+        else:  # a plain number stays a plain number: every rank has the same one
+            packed = sumsq.reshape(1)
+        for group in self.groups:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        if isinstance(found_inf, Tensor):
+            return packed[0], packed[1]
+        return packed[0], found_inf
