@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 ALIGN_BYTES = 128
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def is_dense(t: Tensor) -> bool:
@@ -63,3 +64,19 @@ class FlatBuffer:
 
     def __len__(self) -> int:
         return len(self.views)
+
+
+def check_grad(p: Tensor, grad: Tensor) -> None:
+    """A gradient the kernels can read for ``p``: dense, same shape and device, a supported dtype."""
+    if grad.is_sparse:
+        raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
+    if grad.shape != p.shape:
+        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
+    # [note: grad dtype] autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
+    # for bf16 params are fine); the kernels read float32, float16 and bfloat16.
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise RuntimeError(
+            f"gradient of dtype {grad.dtype} for a {p.dtype} parameter: FusedAmpAdamW reads float32, float16 and "
+            "bfloat16 gradients")
+    if grad.device != p.device:
+        raise RuntimeError(f"gradient on {grad.device} for a parameter on {p.device}")

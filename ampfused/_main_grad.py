@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._flat import FlatBuffer
+from ._flat import FlatBuffer, check_grad
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
 SUPPORTED = hasattr(torch.Tensor, "grad_dtype")
@@ -82,10 +82,8 @@ class MainGrads:
 
 def adopt(p: Tensor) -> None:
     """Write a fresh gradient of ``p`` into ``p.main_grad`` and make that ``p.grad`` (see the module note)."""
-    from .optim import _check_grad
-
     grad = p.grad
-    _check_grad(p, grad)
+    check_grad(p, grad)
     main = p.main_grad
     main.copy_(grad)
     p.grad = main

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _backends, _dtensor, _main_grad, distributed, functional
-from ._flat import FlatBuffer, is_dense
+from ._flat import FlatBuffer, check_grad as _check_grad, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -450,19 +450,3 @@ class FusedAmpAdamW(Optimizer):
                     _dtensor.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _check_grad(p: Tensor, grad: Tensor) -> None:
-    """A gradient the kernels can read for ``p``: dense, same shape and device, a supported dtype."""
-    if grad.is_sparse:
-        raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
-    if grad.shape != p.shape:
-        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
-    # [note: grad dtype] autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
-    # for bf16 params are fine); the kernels read float32, float16 and bfloat16.
-    if grad.dtype not in SUPPORTED_DTYPES:
-        raise RuntimeError(
-            f"gradient of dtype {grad.dtype} for a {p.dtype} parameter: FusedAmpAdamW reads float32, float16 and "
-            "bfloat16 gradients")
-    if grad.device != p.device:
-        raise RuntimeError(f"gradient on {grad.device} for a parameter on {p.device}")

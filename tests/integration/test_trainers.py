@@ -95,3 +95,29 @@ def test_accelerate_prepare():
     assert changed(before, model)
     inner = opt.optimizer
     assert isinstance(inner, ampfused.FusedAmpAdamW) and inner.state[next(model.parameters())]["step"].item() == 4
+
+
+def test_hf_trainer_bf16_model_default_clipping_clips(tmp_path):
+    """A bf16 model, default FusedAmpAdamW and Trainer's own clipping: its clip_grad_norm_ reads the
+    fp32 p.grad, so it clips exactly like the fused max_grad_norm= (0.1 here, so that it engages)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (.ci/integration.sh installs it)")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (16,)), "labels": torch.randint(0, 64, (16,))} for _ in range(8)]
+    runs = []
+    for trainer_clips in (True, False):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+        opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=None if trainer_clips else 0.1)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2, use_cpu=True, report_to=[],
+                                              save_strategy="no", logging_steps=1, data_seed=0, seed=0,
+                                              max_grad_norm=0.1 if trainer_clips else 0.0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        trainer.train()
+        if trainer_clips:
+            norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+            assert norms and all(n > 0.1 for n in norms), f"Trainer's clip must see the fp32 gradients: {norms}"
+        runs.append([opt.state[p]["master_param"].clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
