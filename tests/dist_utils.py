@@ -41,6 +41,18 @@ def _entry(rank, world, port, backend, fn, args):
         dist.destroy_process_group()
 
 
+def device() -> torch.device:
+    """This rank's device: its GPU under nccl, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def backends(skip=()) -> list[str]:
+    """The ampfused backends that serve this rank's device, minus ``skip``."""
+    from helpers import available_backends
+
+    return [b for b in available_backends(device()) if b not in skip]
+
+
 def run(fn, world: int, *args, timeout: float = 150.0, backend: str = "gloo") -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; fail on any error or after ``timeout`` s."""
     ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=False,

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import ampfused
-from dist_utils import requires_gloo, run
-from helpers import available_backends, tol
+from dist_utils import backends, device, requires_gloo, run
+from helpers import tol
 
 pytestmark = requires_gloo
-BACKENDS = available_backends(torch.device("cpu"))
 STEPS, MICRO, BATCH, CLIP = 3, 2, 4, 0.05  # the small clip makes every step clip
 
 
@@ -22,7 +21,7 @@ def make_model(mp_policy=None):
 
     torch.manual_seed(0)  # same init on every rank, as FSDP2 expects
     # 7 and 5 rows: uneven shards on 2 and 4 ranks, an empty one on 4
-    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device())
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in (model[0], model[2]):
         fully_shard(layer, **kwargs)
@@ -32,7 +31,7 @@ def make_model(mp_policy=None):
 
 def micro_batch(rank, step, micro):
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+    return torch.randn(BATCH, 6, generator=g).to(device()), torch.randn(BATCH, 3, generator=g).to(device())
 
 
 def train_step(model, rank, step, accumulate):
@@ -78,7 +77,7 @@ def check_skip_on_every_rank(rank, world, backend):
     """inf in one shard of the last rank only: every rank skips, bitwise; the scaler backs off everywhere."""
     model = make_model()
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
-    scaler = ampfused.GradScaler("cpu", init_scale=1024.0)
+    scaler = ampfused.GradScaler(device().type, init_scale=1024.0)
     for step in range(2):
         x, y = micro_batch(rank, step, 0)
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
@@ -99,7 +98,7 @@ def check_skip_on_every_rank(rank, world, backend):
 
 def check_refusals(rank):
     model = make_model()
-    plain = torch.nn.Parameter(torch.zeros(3))
+    plain = torch.nn.Parameter(torch.zeros(3, device=device()))
     with pytest.raises(ValueError, match="DTensors and the others plain tensors"):
         ampfused.FusedAmpAdamW([*model.parameters(), plain])
     opt = ampfused.FusedAmpAdamW(model.parameters())
@@ -108,11 +107,11 @@ def check_refusals(rank):
     assert len(opt.param_groups) == 1, "a refused group must not be half-added"
 
 
-def _worker(rank, world, backends):
+def _worker(rank, world, skip=()):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for backend in backends:
+    for backend in backends(skip):
         for mp_policy in (None, bf16):
             for accumulate in (False, True):
                 compare_to_torch(rank, backend, mp_policy, accumulate)
@@ -123,5 +122,4 @@ def _worker(rank, world, backends):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_matches_torch_adamw_with_clip_grad_norm(world):
     # 4 ranks: the compiled backend and the oracle (the Triton interpreter runs on 2)
-    backends = BACKENDS if world == 2 else [b for b in BACKENDS if b != "triton"]
-    run(_worker, world, backends, timeout=240)
+    run(_worker, world, () if world == 2 else ("triton",), timeout=240)
