@@ -40,7 +40,8 @@ def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.
 
     The fp16/bf16 params whose gradients ``optimizer`` accumulates in fp32 are all-reduced in fp32
     by this wrapper (see the module note); every other param is DDP's as usual. ``ddp_kwargs`` go
-    to DDP unchanged.
+    to DDP unchanged. The reduction is bound to this optimizer's gradient storage: train with this
+    optimizer (a newer FusedAmpAdamW over the same params needs a new wrapper).
     """
     from .optim import FusedAmpAdamW
 

@@ -75,6 +75,12 @@ def _save_worker(rank, world, root):
         train(model, opt, rank, 2)
         expected = full_optim_state(model, opt)
         save(model, opt, f"{root}/{kind}")
+        if kind == "ampfused":  # full plain tensors for sharded params: refused, nothing written
+            sd = opt.state_dict()
+            sd["state"] = {i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in st.items()} for i, st in sd["state"].items()}
+            with pytest.raises(ValueError, match="plain tensor but the parameter is a DTensor"):
+                opt.load_state_dict(sd)
+            assert_state_equal(expected, full_optim_state(model, opt), "a refused load_state_dict")
         if rank == 0:
             torch.save(expected, f"{root}/{kind}.expected.pt")
         for into in KINDS:  # same world: bitwise, into either class

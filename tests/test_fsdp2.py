@@ -107,6 +107,23 @@ def check_refusals(rank):
     assert len(opt.param_groups) == 1, "a refused group must not be half-added"
 
 
+def check_functional(rank, backend):
+    """ampfused.functional.fused_amp_adamw on DTensor lists: local passes, global norm."""
+    model = make_model()
+    x, y = micro_batch(rank, 0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(full(g)) for g in grads]))
+    states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    steps = [torch.zeros((), device=device()) for _ in params]
+    norm, skipped = ampfused.functional.fused_amp_adamw(
+        params, grads, *states, [None] * len(params), steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+        weight_decay=0.0, max_grad_norm=CLIP, backend=backend)
+    torch.testing.assert_close(norm, expected, **tol(backend), msg=f"functional {backend}: global norm")
+    assert float(skipped) == 0 and all(float(s) == 1 for s in steps)
+
+
 def _worker(rank, world, skip=()):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -116,6 +133,7 @@ def _worker(rank, world, skip=()):
             for accumulate in (False, True):
                 compare_to_torch(rank, backend, mp_policy, accumulate)
         check_skip_on_every_rank(rank, world, backend)
+        check_functional(rank, backend)
     check_refusals(rank)
 
 
