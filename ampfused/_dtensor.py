@@ -28,14 +28,19 @@ from torch import Tensor
 StatsReducer = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
 
 
+_DTENSOR: type | None = None
+
+
 def _dtensor_type():
     # only a module that is already imported can have made a DTensor: no import cost otherwise
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return _DTENSOR
 
 
 def is_dtensor(t) -> bool:
-    cls = _dtensor_type()
+    cls = _DTENSOR or _dtensor_type()
     return cls is not None and isinstance(t, cls)
 
 
@@ -45,7 +50,10 @@ def local(t: Tensor | None) -> Tensor | None:
 
 
 def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
-    return [local(t) for t in ts]
+    cls = _DTENSOR or _dtensor_type()
+    if cls is None:
+        return list(ts)
+    return [t._local_tensor if isinstance(t, cls) else t for t in ts]
 
 
 def like_param(view: Tensor, p: Tensor) -> Tensor:
@@ -91,14 +99,15 @@ def localize(params: list[Tensor], grads: list[Tensor], *lists: list) -> tuple[l
     plan = _plan(params)
     if plan is None:
         return [params, grads, *lists], None
+    cls = _DTENSOR
     for i, (p, g) in enumerate(zip(params, grads)):
-        if not is_dtensor(g) or tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
+        if not isinstance(g, cls) or g.placements != p.placements or (g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh):
             placements = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
             raise RuntimeError(
                 f"gradient {i} of a DTensor parameter with placements {tuple(p.placements)} is {placements}: "
                 "FusedAmpAdamW steps on local shards and needs each gradient sharded like its parameter")
-    out = [local_tensors(params), local_tensors(grads)]
-    out += [[None if t is None else local(t) for t in ts] for ts in lists]
+    out = [[p._local_tensor for p in params], [g._local_tensor for g in grads]]
+    out += [local_tensors(ts) for ts in lists]  # None entries pass through
     return out, plan
 
 
@@ -114,7 +123,10 @@ def _plan(params: Sequence[Tensor]) -> StatsReducer | None:
             "local; shard every parameter (fully_shard the root module too) or use one optimizer per kind")
     mesh = dtensors[0].device_mesh
     sharded = _sharded_dims(dtensors[0])
+    placements = dtensors[0].placements
     for p in dtensors[1:]:
+        if p.device_mesh is mesh and p.placements == placements:  # the common case, FSDP2: one mesh, Shard(0)
+            continue
         if p.device_mesh != mesh or _sharded_dims(p) != sharded:
             raise ValueError(
                 f"DTensor parameters on different meshes or sharded over different mesh dimensions ({mesh} "
