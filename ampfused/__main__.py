@@ -1,9 +1,17 @@
-"""`python -m ampfused info` lists the backends; `python -m ampfused bench` runs the benchmarks."""
+"""`python -m ampfused info|bench|bench train`: the backends found, and the benchmarks."""
 from __future__ import annotations
 
 import argparse
 import platform
 import sys
+import warnings
+
+COMMANDS = """commands:
+  info          list the backends found and why any is missing
+  bench         benchmark the optimizer step against the stock torch.amp path
+                (python -m ampfused bench --help for its options)
+  bench train   end-to-end training benchmark with convergence parity
+                (python -m ampfused bench train --help for its options)"""
 
 
 def info() -> int:
@@ -16,18 +24,33 @@ def info() -> int:
     for name, available, reason in _backends.report():
         print(f"  {name:<10} {'available' if available else 'unavailable'}{': ' + reason if reason else ''}")
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        module, why = _backends.resolve(None, torch.device(device))
+        with warnings.catch_warnings():  # the fallback warning would repeat what the line says
+            warnings.simplefilter("ignore")
+            module, why = _backends.resolve(None, torch.device(device))
         print(f"auto backend for {device}: {module.NAME} ({why})")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ampfused")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="python -m ampfused", description="ampfused: fused mixed-precision AdamW "
+                                     "and GradScaler for PyTorch", epilog=COMMANDS,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,bench train}")
     sub.add_parser("info", help="list the backends found and why any is missing")
-    sub.add_parser("bench", help="benchmark against the stock torch.amp path (extra arguments: --help)", add_help=False)
+    # bench parses its own arguments (and `bench train` its own), --help included
+    sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
+        if rest:
+            parser.error(f"info takes no arguments: {' '.join(rest)}")
         return info()
     from .benchmarks import bench
 

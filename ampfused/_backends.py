@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from types import ModuleType  # a backend is a module or an object with the same attributes
 
 import torch
@@ -39,14 +40,24 @@ def _probe_reference():
     return importlib.import_module("ampfused.reference"), ""
 
 
+TRITON_HINT = 'pip install "triton>=3.6"'  # quoted: unquoted, a shell redirects `>=3.6` to a file
+NUMPY_HINT = "Triton needs numpy, which is not installed; `pip install numpy`"
+
+
 def _probe_triton():
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        return None, f"triton is not installed ({exc}); `pip install triton>=3.6`"
+        if getattr(exc, "name", None) == "numpy":
+            return None, NUMPY_HINT
+        if getattr(exc, "name", None) in ("triton", None):
+            return None, f"triton is not installed ({exc}); `{TRITON_HINT}`"
+        return None, f"triton failed to import ({exc}); `{TRITON_HINT}`"
     try:
         module = importlib.import_module("ampfused.kernels")
     except ImportError as exc:
+        if getattr(exc, "name", None) == "numpy":
+            return None, NUMPY_HINT
         return None, f"ampfused.kernels failed to import: {exc}"
     if not hasattr(module, "adamw_update_"):
         return None, "ampfused.kernels has no Triton passes in this build"
@@ -120,9 +131,31 @@ def resolve(requested: str | None, device: torch.device) -> tuple[ModuleType, st
         reason = reason or _device_reason(module, device)
         if not reason:
             why = f"best available for {device.type}" + (f" ({'; '.join(skipped)})" if skipped else "")
+            if name == "reference" and device.type == "cuda":
+                _warn_reference_on_cuda(skipped)
             return module, why
         skipped.append(f"{name}: {reason}")
     raise RuntimeError("no ampfused backend available: " + "; ".join(skipped))  # unreachable: reference serves all
+
+
+class SlowBackendWarning(UserWarning):
+    """A CUDA optimizer fell back to the pure-PyTorch ``reference`` backend (correct, but several times slower)."""
+
+
+_warned_reference_on_cuda = False
+
+
+def _warn_reference_on_cuda(skipped: list[str]) -> None:
+    """Once per process: CUDA tensors on the reference backend because neither Triton nor ampfused._C serves them."""
+    global _warned_reference_on_cuda
+    if _warned_reference_on_cuda:
+        return
+    _warned_reference_on_cuda = True
+    warnings.warn(
+        "ampfused: CUDA params run on the slow pure-PyTorch 'reference' backend because no fused backend is "
+        f"available ({'; '.join(skipped)}). Fix: `{TRITON_HINT}`, or build the CUDA kernels with "
+        "`AMPFUSED_BUILD_CUDA=1 pip install --no-build-isolation .` (`python -m ampfused info` says what is missing); "
+        "pass backend=\"reference\" to silence this.", SlowBackendWarning, stacklevel=3)
 
 
 def report() -> list[tuple[str, bool, str]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from collections import defaultdict
 from itertools import chain
 
@@ -129,6 +130,7 @@ class FusedAmpAdamW(Optimizer):
         self._state_flat: dict[str, FlatBuffer] | None = None  # built at the first step
         self._state_index: dict[Tensor, int] = {}
         self._main_grads = _main_grad.MainGrads(self)
+        self._plan: _StepPlan | None = None  # the last step's tensor lists (see _StepPlan)
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
 
     def __getstate__(self) -> dict:
@@ -181,6 +183,7 @@ class FusedAmpAdamW(Optimizer):
         for p in self.param_groups[-1]["params"]:
             self._param_dtypes[p] = p.dtype
         self._state_flat = None  # new params: the flat state is re-laid out at the next step
+        self._plan = None
         if self._params_registered:
             self._setup_main_grads()
 
@@ -267,6 +270,7 @@ class FusedAmpAdamW(Optimizer):
                     view.copy_(_dtensor.local(state[key]))
                     state[key] = _dtensor.like_param(view, p)
         self._state_flat, self._steps_flat, self._state_index, self._slots = flat, steps, index, slots
+        self._plan = None  # the cached lists hold the old views
 
     def _view(self, key: str, p: Tensor) -> Tensor:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
@@ -317,6 +321,18 @@ class FusedAmpAdamW(Optimizer):
                 out.append((p, grad, group))
         return out
 
+    def _make_plan(self) -> "_StepPlan":
+        """Validate every param and grad, create lazy state, and cache the step's tensor lists."""
+        work = self._grads_to_step()
+        for p, _, group in work:  # may re-lay out the flat state: finish before taking views
+            state = self.state[p]
+            if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
+                self._init_state(p, group["amsgrad"])
+            elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
+                self._build_state_layout()
+        self._plan = _StepPlan(self.param_groups, work, self.state)
+        return self._plan
+
     # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
     # pointer tables, which dynamo cannot trace: a compiled opt.step() (or a compiled train step that
     # calls it) graph-breaks here and runs the step eagerly, with identical results. torch's lazy
@@ -337,37 +353,16 @@ class FusedAmpAdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
-        work = self._grads_to_step()
-        if not work:
+        plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
+        if not plan.params:
             return loss
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers = ([] for _ in range(8))
-        for p, _, group in work:  # may re-lay out the flat state: finish before taking views
-            state = self.state[p]
-            if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
-                self._init_state(p, group["amsgrad"])
-            elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
-                self._build_state_layout()
-        group_hyper = {}
-        for p, grad, group in work:
-            state = self.state[p]
-            hyper = group_hyper.get(id(group))
-            if hyper is None:
-                beta1, beta2 = group["betas"]
-                hyper = group_hyper[id(group)] = functional.Hyper(
-                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
-            params.append(p)
-            grads.append(grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            max_exp_avg_sqs.append(state.get("max_exp_avg_sq") if group["amsgrad"] else None)
-            steps.append(state["step"])
-            masters.append(state.get("master_param"))
-            hypers.append(hyper)
-        # [distributed] DTensor params: the passes run on the local shards, the stats are summed over the mesh
-        lists, reduce_stats = _dtensor.localize(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters)
-        reduce_stats = reduce_stats or getattr(self, "_zero_reducer", None)
+        hypers = plan.hypers()
+        lists = [plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs, plan.masters]
+        reduce_stats = getattr(self, "_zero_reducer", None)  # [distributed] ZeRO partition (absent after a copy)
+        if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
+            lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
-            self._get_backend(), *lists[:5], steps, lists[5], hypers,
+            self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
         if found_inf_out is not None:
             found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
@@ -450,3 +445,70 @@ class FusedAmpAdamW(Optimizer):
                     _dtensor.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+class _StepPlan:
+    """The tensor lists of a step, kept while the params, their grads and the groups are unchanged.
+
+    [note: host time] Validation, lazy state and the per-tensor lists cost Python per param; a
+    training loop steps the same params with the same grad tensors every step (fp32 ``p.grad`` that
+    autograd accumulates into in place, or our fp32 ``main_grad``), so a step only re-reads
+    ``p.grad`` and ``p.data_ptr()`` of every param and compares identities. Anything else -- a new
+    grad tensor, a ``p.data`` swap, a changed ``amsgrad``, an edited params list -- rebuilds the plan
+    through the validating path. Hyperparameters are read per group at every step.
+    """
+
+    def __init__(self, param_groups, work, state):
+        self.groups = [(g, g["params"], len(g["params"]), g["amsgrad"]) for g in param_groups]
+        self.all_params = [p for g in param_groups for p in g["params"]]
+        self.all_grads = [p.grad for p in self.all_params]
+        self.params = [p for p, _, _ in work]
+        self.grads = [grad for _, grad, _ in work]
+        # a DTensor's data_ptr() is 0: its local shard's stands for it
+        self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
+        states = [state[p] for p in self.params]
+        self.exp_avgs = [s["exp_avg"] for s in states]
+        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        self.max_exp_avg_sqs = [s.get("max_exp_avg_sq") if g["amsgrad"] else None for s, (_, _, g) in zip(states, work)]
+        self.steps = [s["step"] for s in states]
+        self.masters = [s.get("master_param") for s in states]
+        counts: dict[int, int] = {}
+        for _, _, g in work:
+            counts[id(g)] = counts.get(id(g), 0) + 1
+        self.counts = [(g, counts.get(id(g), 0)) for g in param_groups]
+
+    def still_valid(self, param_groups) -> bool:
+        """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
+        if len(param_groups) != len(self.groups):
+            return False
+        for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
+            if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
+                return False
+        if [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
+            return False
+        grads = [p.grad for p in self.all_params]
+        if all(map(operator.is_, grads, self.all_grads)):
+            return True
+        # new grad tensors for the same params (zero_grad(set_to_none=True) + backward): check them only
+        if [g is None for g in grads] != [g is None for g in self.all_grads]:
+            return False  # another set of params has gradients
+        fresh = [g for g in grads if g is not None]
+        if any(g is not old and not _plain_grad_for(p, g) for p, g, old in zip(self.params, fresh, self.grads)):
+            return False
+        self.all_grads, self.grads = grads, fresh
+        return True
+
+    def hypers(self) -> list:
+        hypers = []
+        for group, n in self.counts:
+            if n:
+                beta1, beta2 = group["betas"]
+                hypers += [functional.Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                            group["amsgrad"], group["maximize"])] * n
+        return hypers
+
+
+def _plain_grad_for(p: Tensor, grad: Tensor) -> bool:
+    """A grad the plan can take as is: what autograd produces for ``p`` (anything else goes through check_grad)."""
+    return (grad.layout is torch.strided and grad.shape == p.shape and grad.dtype in SUPPORTED_DTYPES
+            and grad.device == p.device and grad.stride() == p.stride())

@@ -9,61 +9,73 @@ with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
    the fp32 weights and the params with those of stock ``torch-fused`` after the same steps
    (fp32 rtol 1e-5; low-precision params within one rounding step). A provider that fails is
    reported as FAILED, is not timed, and the command exits with status 1;
-3. time ``step()`` (what it contains: ``providers.py``), then check the weights are still finite;
+3. time ``step()`` (what it contains: ``providers.py``) of all the providers that passed, and a
+   device stream (``a += b``, the roofline) of each byte count, **interleaved** (``measure.interleaved``), then check the
+   weights are still finite;
 4. report median and p20/p80 ms per step, bytes moved per step (``providers.bytes_per_param``),
-   effective GB/s, the fraction of a device copy's GB/s at the same byte count measured in the same
-   run, the speedup over each stock path, and peak memory.
+   effective GB/s, the fraction of that roofline's GB/s, the speedup over
+   each stock path, peak memory, the cores other processes kept busy meanwhile, and whether the
+   timing is ``unstable`` (too few samples, or a p20-p80 spread above ``--max-spread``).
 
-Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``*.png``.
+The ``host`` sweep times the host side of ``step()`` alone on many tiny tensors (see
+``configs.py`` [note: host sweep]) and reports ampfused's host time over stock torch-fused's.
+
+Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``summary.md`` (the
+README's results table) and ``*.png`` (the plots need matplotlib: ``pip install "ampfused[bench]"``).
 ``python -m ampfused bench train [...]`` runs the end-to-end training benchmark (``bench_train.py``).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
+import time
 
 import torch
 
-from . import configs, measure, providers, report
+from . import cli, configs, measure, providers, report
+from .environment import Load, environment
 
-# seconds of timing per provider and case: (at least, at most); the copy roofline gets a third of it
-BUDGETS = {"quick": measure.Budget(0.03, 0.15), "cpu": measure.Budget(0.1, 0.5), "gpu": measure.Budget(0.1, 1.0)}
+# per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least
+BUDGETS = {
+    "quick": measure.Budget(0.02, 0.1, min_samples=5, rounds=5),
+    "cpu": measure.Budget(0.1, 0.5, min_samples=10),
+    "gpu": measure.Budget(0.1, 1.0, min_samples=10),
+}
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ampfused bench", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ampfused bench", description=__doc__.split("\n\n")[0],
+                                     epilog="python -m ampfused bench train --help: the end-to-end training benchmark")
     parser.add_argument("--out", default="bench-results", help="output folder (default: bench-results/)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    parser.add_argument("--quick", action="store_true", help="~20 s smoke run on small sizes (used by the tests)")
+    parser.add_argument("--quick", action="store_true", help="~30 s smoke run on small sizes (used by the tests)")
     parser.add_argument("--plan", choices=sorted(configs.PLANS), default=None,
                         help="sizes to run (default: quick with --quick, else gpu or cpu by device)")
-    parser.add_argument("--sweeps", default="configs,size,tensors", help="comma list of: configs, size, tensors")
-    parser.add_argument("--sizes", default=None, help="override the size sweep, e.g. 1M,10M,100M,1B")
-    parser.add_argument("--backends", default=None,
+    parser.add_argument("--sweeps", type=cli.choice_list(configs.SWEEPS), default=configs.SWEEPS,
+                        help=f"comma list of: {', '.join(configs.SWEEPS)} (default: all)")
+    parser.add_argument("--sizes", type=cli.size_list, default=None, help="override the size sweep, e.g. 1M,10M,100M,1B")
+    from ampfused import _backends
+
+    parser.add_argument("--backends", type=cli.choice_list(_backends.BACKEND_NAMES), default=None,
                         help="comma list of ampfused backends (default: every backend available on the device)")
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="on CPU, also run the Triton backend through the (very slow) Triton interpreter")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--gate-steps", type=int, default=2, help="steps compared with stock torch-fused (default 2)")
+    parser.add_argument("--threads", type=cli.positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--gate-steps", type=cli.positive_int, default=2,
+                        help="steps compared with stock torch-fused (default 2)")
+    parser.add_argument("--max-spread", type=cli.fraction, default=None,
+                        help="p20-p80 spread over the median above which a timing is unstable (default 0.15)")
+    parser.add_argument("--strict", action="store_true", help="exit with status 3 when any timing is unstable")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parser
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def ampfused_backends(device: torch.device, requested: str | None, interpreter: bool) -> tuple[list[str], dict[str, str]]:
+def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tuple[list[str], dict[str, str]]:
     """(backends to benchmark, {backend: why it is not benchmarked})."""
     from ampfused import _backends
 
-    names = requested.split(",") if requested else list(_backends.BACKEND_NAMES)
+    names = list(requested) if requested else list(_backends.BACKEND_NAMES)
     chosen, skipped = [], {}
     for name in names:
         if device.type == "cpu" and name == "triton" and not (interpreter or requested):
@@ -78,92 +90,74 @@ def ampfused_backends(device: torch.device, requested: str | None, interpreter: 
     return chosen, skipped
 
 
-def environment(device: torch.device, threads: int) -> dict[str, str]:
-    import ampfused
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
+def gate(provider, name, args, device, expected):
+    """Run the gate steps; (mismatch description or "", fp32 weights if this is the reference)."""
+    for _ in range(args.gate_steps):
+        provider.restore_grads()
+        provider.step()
     if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        hardware = _cpu_model() + f", {threads} threads"
-    return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": device.type,
-        "hardware": hardware,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "ampfused": ampfused.__version__,
-        "python": platform.python_version(),
-        "threads": str(threads),
-        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "",
-    }
+        torch.cuda.synchronize()
+    if name == "torch-fused":  # built first: the reference of the gate
+        return "", {k: [t.detach().clone() for t in v] for k, v in provider.results().items()}
+    if expected is None:
+        return "no reference: stock torch-fused failed on this case", None
+    return measure.compare(provider.results(), expected), None
 
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        model = fields.get("Model name", platform.processor()).strip()
-        return f"{model} ({fields.get('CPU(s)', '?').strip()} CPUs, L3 {fields.get('L3 cache', '?').strip()})"
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return platform.processor() or platform.machine()
-
-
-def run_case(case, names, device, args, budget, env, copy_cache, progress) -> list[dict]:
-    """Gate, time and measure every provider on one case; one row per provider."""
+def run_case(case, names, device, args, budget, env, progress) -> list[dict]:
+    """Gate every provider, then time the ones that passed interleaved; one row per provider."""
     data = providers.CaseData(case, device, args.seed)
-    rows, expected = [], None
-    for name in names:
-        progress.set_postfix_str(f"{case.config.name} {case.shapes.family} {configs.human(case.shapes.numel)} {name}")
-        row = report.base_row(env, case, name)
+    rows = {name: report.base_row(env, case, name) for name in names}
+    live, expected = {}, None
+    progress.describe(f"{case.config.name} {case.shapes.family} {configs.human(case.shapes.numel)}")
+    for name in names:  # built one after the other, so peak memory is each one's own increment
+        row = rows[name]
         memory = measure.PeakMemory(device)
         memory.start()
         provider = None
         try:
             provider = providers.make(name, case, data, device)
-            for _ in range(args.gate_steps):
-                provider.restore_grads()
-                provider.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if name == "torch-fused":  # run first: the reference of the gate
-                expected = {k: [t.detach().clone() for t in v] for k, v in provider.results().items()}
-                mismatch = ""
-            elif expected is None:
-                mismatch = "no reference: stock torch-fused failed on this case"
-            else:
-                mismatch = measure.compare(provider.results(), expected)
-            if mismatch:
-                row.update(status="FAILED", detail=f"gate: {mismatch}")
-            else:
-                timing = measure.time_fn(provider.step, device, args.threads, budget)
-                if not measure.all_finite(provider.results()):
-                    row.update(status="FAILED", detail="non-finite weights after the timed steps")
-                else:
-                    row.update(status="ok", median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms,
-                               samples=timing.samples, peak_mem_mb=memory.peak() / 2**20,
-                               state_mb=provider.state_bytes() / 2**20)
+            mismatch, reference = gate(provider, name, args, device, expected)
+            expected = reference if reference is not None else expected
+            detail = f"gate: {mismatch}" if mismatch else ""
         except Exception as exc:  # a crashing provider is a failed provider, the others still run
-            row.update(status="FAILED", detail=f"{type(exc).__name__}: {exc}")
-        finally:
+            detail = f"{type(exc).__name__}: {exc}"
+        if detail:
+            row.update(status="FAILED", detail=detail)
             if provider is not None:
                 provider.close()
-            del provider
-        if row["status"] == "ok":
-            nbytes = row["bytes_per_step"]
-            if nbytes not in copy_cache:
-                copy_budget = measure.Budget(budget.min_s / 3, budget.max_s / 3)
-                copy_cache[nbytes] = measure.copy_bandwidth(nbytes, device, args.threads, copy_budget)
-            row["copy_gbps"] = copy_cache[nbytes]
-        rows.append(row)
-        progress.update(1)
-    report.add_derived(rows)
-    return rows
+            continue
+        row.update(peak_mem_mb=memory.peak() / 2**20, state_mb=provider.state_bytes() / 2**20)
+        live[name] = provider
+    fns = {name: p.step for name, p in live.items()}
+    copies = {} if case.host else {rows[n]["bytes_per_step"]: None for n in live}
+    for nbytes in copies:
+        copies[nbytes] = measure.DeviceCopy(nbytes, device)
+        fns[f"copy {nbytes}"] = copies[nbytes].fn
+    load = Load().start()
+    timings = measure.interleaved(fns, device, budget, host=case.host)
+    other = load.stop()
+    for name, provider in live.items():
+        row, timing = rows[name], timings[name]
+        if timing.error:
+            row.update(status="FAILED", detail=timing.error)
+        elif not measure.all_finite(provider.results()):
+            row.update(status="FAILED", detail="non-finite weights after the timed steps")
+        else:
+            row.update(status="ok", median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms,
+                       samples=timing.samples, unstable=timing.unstable, timer="host" if case.host else "device",
+                       other_cores=other)
+            copy = timings.get(f"copy {row['bytes_per_step']}")
+            if copy is not None and not copy.error:
+                row["roofline_gbps"] = copies[row["bytes_per_step"]].gbps(copy)
+                if copy.unstable and not row["unstable"]:
+                    row["unstable"] = f"roofline stream: {copy.unstable}"
+        provider.close()
+    copies.clear()
+    progress.update(len(names))
+    out = [rows[n] for n in names]
+    report.add_derived(out)
+    return out
 
 
 def warm_up(names, device) -> None:
@@ -180,53 +174,81 @@ def warm_up(names, device) -> None:
                 pass
 
 
+def case_providers(case, names) -> list[str]:
+    """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question."""
+    return [n for n in names if n != "torch-foreach"] if case.host else names
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     if argv[:1] == ["train"]:  # `python -m ampfused bench train ...`: the end-to-end benchmark
         from . import bench_train
 
-        return bench_train.main(argv[1:])
-    args = parse_args(argv)
+        return bench_train.main(argv[1:], prog="python -m ampfused bench train")
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.triton_interpreter:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = cli.pick_device(parser, args.device)
     plan_name = args.plan or ("quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu"))
-    args.threads = args.threads or len(os.sched_getaffinity(0))
+    if args.sizes and "size" not in args.sweeps:
+        parser.error("--sizes sets the size sweep, which --sweeps leaves out")
+    backends, skipped = ampfused_backends(device, args.backends, args.triton_interpreter)
+    if args.backends and not backends:
+        parser.error("--backends: none of the requested backends can run here: " +
+                     "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    args.threads = args.threads or len(os.sched_getaffinity(0))  # arguments checked: now change the process
     torch.set_num_threads(args.threads)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # see providers.py [note: synthesized gradients]
+    budget = BUDGETS[plan_name]
+    if args.max_spread is not None:
+        budget = measure.Budget(budget.min_s, budget.max_s, budget.min_samples, args.max_spread, budget.rounds)
 
-    sizes = tuple(parse_size(s) for s in args.sizes.split(",")) if args.sizes else None
-    cases = configs.plan(plan_name, tuple(s.strip() for s in args.sweeps.split(",")), sizes)
-    backends, skipped = ampfused_backends(device, args.backends, args.triton_interpreter)
+    cases = configs.plan(plan_name, args.sweeps, args.sizes)
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
     env = environment(device, args.threads)
-    env["plan"] = plan_name
+    env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]))
     print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "
           f"(torch {env['torch']}, triton {env['triton']})")
     print(f"ampfused backends: {', '.join(backends) or 'none'}" +
           "".join(f"\n  not benchmarked: {k}: {v}" for k, v in skipped.items()))
 
-    from tqdm import tqdm
-
-    rows, copy_cache = [], {}
-    budget = BUDGETS[plan_name]
+    rows = []
+    started = time.perf_counter()
+    load = Load().start()
     warm_up(names, device)
-    with tqdm(total=len(cases) * len(names), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
+    progress = cli.Progress(sum(len(case_providers(c, names)) for c in cases), unit="run")
+    try:
         for case in cases:
-            rows += run_case(case, names, device, args, budget, env, copy_cache, progress)
+            rows += run_case(case, case_providers(case, names), device, args, budget, env, progress)
+    finally:
+        progress.close()
+    env.update(other_cores=f"{load.stop():.2f}", loadavg_after=load.loadavg_after,
+               wall_s=f"{time.perf_counter() - started:.0f}")
 
     os.makedirs(args.out, exist_ok=True)
-    paths = report.write_all(rows, env, backends, skipped, args.out)
-    failed = [r for r in rows if r["status"] != "ok"]
+    paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
     print(report.markdown_summary(rows))
+    print(report.load_line(env))
     print("wrote " + ", ".join(paths))
+    if plot_problem:
+        print(f"plots not written: {plot_problem}", file=sys.stderr)
+    failed = [r for r in rows if r["status"] != "ok"]
+    unstable = [r for r in rows if r["status"] == "ok" and r["unstable"]]
+    for r in unstable:
+        print(f"unstable: {r['provider']} on {r['case']}: {r['unstable']}", file=sys.stderr)
+    print(f"timing: {len(rows) - len(failed) - len(unstable)} of {len(rows) - len(failed)} timings stable"
+          + (f", {len(unstable)} unstable (see the 'timing' column)" if unstable else ""))
     if failed:
         for r in failed:
             print(f"FAILED {r['provider']} on {r['case']}: {r['detail']}", file=sys.stderr)
         print(f"correctness gate: FAILED ({len(failed)} of {len(rows)} runs)")
         return 1
     print(f"correctness gate: PASSED ({len(rows)} runs match stock torch-fused)")
+    if unstable and args.strict:
+        print(f"--strict: {len(unstable)} unstable timings", file=sys.stderr)
+        return 3
     return 0
 
 

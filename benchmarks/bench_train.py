@@ -17,6 +17,11 @@ gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1
 The scaler is enabled only for fp16 (bf16 needs no loss scaling). Autocast dtype: bf16 on CPU,
 fp16 on CUDA (``--amp-dtype`` to change).
 
+[note: interleaved steps] All variants are built up front and trained one step each in turn, so
+machine load hits every variant alike; a variant's p20-p80 spread of step times above
+``--max-spread`` of the median marks its timing ``unstable``. Peak memory is measured while each
+variant is built and runs its first two (untimed) steps alone.
+
 Reported per variant: tokens/s (tokens per step / median step time), median step time, the optimizer step's share of it (time from the
 end of the last backward to the end of ``zero_grad``, with the device synchronized at both ends),
 peak memory, the final training loss (mean of the last 10% of steps) and the held-out loss.
@@ -30,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import sys
 import time
 
@@ -38,7 +42,8 @@ import torch
 
 import ampfused
 
-from . import measure
+from . import cli, measure
+from .environment import Load, environment
 from .model import GPT, GPTConfig, batches, stdlib_corpus
 
 PRESETS = {
@@ -56,19 +61,23 @@ MAX_GRAD_NORM = 1.0
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ampfused.benchmarks.bench_train", description=__doc__.split("\n\n")[0])
+def parse_args(argv, prog="python -m ampfused.benchmarks.bench_train"):
+    from ampfused import _backends
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join("bench-results", "train"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: gpu or cpu by device")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (the tests use it)")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=cli.positive_int, default=None)
     parser.add_argument("--amp-dtype", choices=sorted(AMP_DTYPES), default=None, help="default: bf16 on CPU, fp16 on CUDA")
-    parser.add_argument("--backend", default=None, help="ampfused backend (default: auto)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--tolerance", type=float, default=0.01, help="relative held-out loss difference allowed vs fp32")
+    parser.add_argument("--backend", choices=_backends.BACKEND_NAMES, default=None, help="ampfused backend (default: auto)")
+    parser.add_argument("--threads", type=cli.positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--tolerance", type=cli.fraction, default=0.01, help="relative held-out loss difference allowed vs fp32")
+    parser.add_argument("--max-spread", type=cli.fraction, default=0.15,
+                        help="p20-p80 spread of step times over the median above which a timing is unstable")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parser, parser.parse_args(argv)
 
 
 class MasterWeights:
@@ -115,21 +124,26 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backend, seed) -> dict:
-    model, opt, scaler = build(variant, preset["model"], device, amp_dtype, preset["lr"], backend, seed)
-    autocast = variant != "fp32"
-    master = getattr(model, "master", None)
-    accum, steps = preset["accum"], preset["steps"]
-    losses, step_times, opt_times = [], [], []
-    memory = measure.PeakMemory(device)
-    memory.start()
-    for step in range(steps):
+class Run:
+    """One variant being trained: ``step(i)`` runs optimizer step ``i`` (its micro-batches included)."""
+
+    def __init__(self, variant, preset, train_batches, device, amp_dtype, backend, seed):
+        self.model, self.opt, self.scaler = build(variant, preset["model"], device, amp_dtype, preset["lr"], backend, seed)
+        self.variant, self.preset, self.batches, self.device, self.amp_dtype = variant, preset, train_batches, device, amp_dtype
+        self.autocast = variant != "fp32"
+        self.master = getattr(self.model, "master", None)
+        self.losses, self.step_times, self.opt_times = [], [], []
+        self.peak = float("nan")
+
+    def step(self, step: int) -> None:
+        model, opt, scaler, master, device = self.model, self.opt, self.scaler, self.master, self.device
+        accum = self.preset["accum"]
         sync(device)
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
         for k in range(accum):
-            x, y = train_batches[step * accum + k]
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+            x, y = self.batches[step * accum + k]
+            with torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.autocast):
                 loss = model(x, y) / accum
             scaler.scale(loss).backward()
             if master is not None:
@@ -137,7 +151,7 @@ def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backe
             total += loss.detach()
         sync(device)
         t1 = time.perf_counter()
-        if not variant.startswith("ampfused-"):
+        if not self.variant.startswith("ampfused-"):
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(master.masters if master else model.parameters(), MAX_GRAD_NORM)
         scaler.step(opt)
@@ -147,79 +161,146 @@ def train(variant, preset, train_batches, eval_batches, device, amp_dtype, backe
             master.write_back()
         sync(device)
         t2 = time.perf_counter()
-        losses.append(total)
-        step_times.append(t2 - t0)
-        opt_times.append(t2 - t1)
-    peak = memory.peak()
-    model.eval()
-    with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
-        eval_loss = sum(float(model(x, y)) for x, y in eval_batches) / len(eval_batches)
-    losses = torch.stack(losses).float().cpu().tolist()
-    timed = slice(min(2, steps - 1), None)  # the first steps include lazy initialisation
-    tokens_per_step = accum * train_batches[0][0].numel()
-    tail = max(1, steps // 10)
-    return {
-        "variant": variant,
-        "backend": getattr(opt, "backend", "torch"),
-        "tokens_per_s": tokens_per_step / statistics.median(step_times[timed]),  # median: robust to a busy machine
-        "step_ms": statistics.median(step_times[timed]) * 1e3,
-        "optimizer_share": sum(opt_times[timed]) / sum(step_times[timed]),
-        "peak_mem_mb": peak / 2**20,
-        "final_train_loss": sum(losses[-tail:]) / tail,
-        "eval_loss": eval_loss,
-        "losses": losses,
-    }
+        self.losses.append(total)
+        self.step_times.append(t2 - t0)
+        self.opt_times.append(t2 - t1)
+
+    def result(self, eval_batches, max_spread: float) -> dict:
+        model, device, steps = self.model, self.device, self.preset["steps"]
+        model.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.autocast):
+            eval_loss = sum(float(model(x, y)) for x, y in eval_batches) / len(eval_batches)
+        losses = torch.stack(self.losses).float().cpu().tolist()
+        timed = slice(min(UNTIMED, steps - 1), None)  # the first steps include lazy initialisation
+        times_ms = [t * 1e3 for t in self.step_times[timed]]
+        timing = measure.summarize(times_ms, measure.Budget(0, 0, min_samples=10, max_spread=max_spread))
+        tokens_per_step = self.preset["accum"] * self.batches[0][0].numel()
+        tail = max(1, steps // 10)
+        return {
+            "variant": self.variant,
+            "backend": getattr(self.opt, "backend", "torch"),
+            "tokens_per_s": tokens_per_step / (timing.median_ms * 1e-3),  # median: robust to a busy machine
+            "step_ms": timing.median_ms, "step_p20_ms": timing.p20_ms, "step_p80_ms": timing.p80_ms,
+            "unstable": timing.unstable,
+            "optimizer_share": sum(self.opt_times[timed]) / sum(self.step_times[timed]),
+            "peak_mem_mb": self.peak / 2**20,
+            "final_train_loss": sum(losses[-tail:]) / tail,
+            "eval_loss": eval_loss,
+            "losses": losses,
+        }
 
 
-def write_outputs(results, env, out, tolerance) -> list[str]:
+UNTIMED = 2
+
+
+def train_all(variants, preset, train_batches, eval_batches, device, amp_dtype, backend, seed, max_spread, progress):
+    """Build every variant and run its untimed first steps alone (peak memory), then interleave the rest."""
+    runs = []
+    warm = min(UNTIMED, preset["steps"])
+    for variant in variants:
+        memory = measure.PeakMemory(device)
+        memory.start()
+        run = Run(variant, preset, train_batches, device, amp_dtype, backend, seed)
+        for step in range(warm):
+            run.step(step)
+        run.peak = memory.peak()
+        runs.append(run)
+    for step in range(warm, preset["steps"]):
+        for run in runs:  # [note: interleaved steps]
+            run.step(step)
+        progress.update(1)
+    results = []
+    for run in runs:
+        results.append(run.result(eval_batches, max_spread))
+    return results
+
+
+def write_outputs(results, env, out, tolerance) -> tuple[list[str], str]:
+    """Write CSV and markdown, then the loss plot when matplotlib is there; (paths, why the plot is missing or "")."""
+    from .summary import train_summary
+
     os.makedirs(out, exist_ok=True)
-    columns = ["variant", "backend", "tokens_per_s", "step_ms", "optimizer_share", "peak_mem_mb", "final_train_loss",
-               "eval_loss", "rel_diff_vs_fp32", "parity"]
-    paths = [os.path.join(out, n) for n in ("train.csv", "train.md", "loss_curves.png", "train_curves.csv")]
+    columns = ["variant", "backend", "tokens_per_s", "step_ms", "step_p20_ms", "step_p80_ms", "unstable", "optimizer_share",
+               "peak_mem_mb", "final_train_loss", "eval_loss", "rel_diff_vs_fp32", "parity"]
+    paths = [os.path.join(out, n) for n in ("train.csv", "train.md", "train_curves.csv", "summary.md")]
     with open(paths[0], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns + list(env))
         writer.writeheader()
         for r in results:
             writer.writerow({**{c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in columns}, **env})
-    lines = [
-        "# ampfused end-to-end training benchmark", "",
-        "- " + "; ".join(f"{k}: {v}" for k, v in env.items()), "",
-        "| variant | backend | tokens/s | step ms (median) | optimizer share | peak MiB | final train loss | held-out loss | vs fp32 | parity |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    table = [
+        "| variant | backend | tokens/s | step ms median (p20–p80) | timing | optimizer share | peak MiB | final train loss | "
+        "held-out loss | vs fp32 | parity |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        lines.append(f"| {r['variant']} | {r['backend']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} | "
-                     f"{100 * r['optimizer_share']:.1f}% | {r['peak_mem_mb']:.0f} | {r['final_train_loss']:.4f} | "
-                     f"{r['eval_loss']:.4f} | {100 * r['rel_diff_vs_fp32']:+.2f}% | {r['parity']} |")
-    lines += ["", f"parity: held-out loss within {100 * tolerance:.1f}% of the fp32 run's"]
+        timing = f"**unstable**: {r['unstable']}" if r["unstable"] else "stable"
+        table.append(f"| {r['variant']} | {r['backend']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} "
+                     f"({r['step_p20_ms']:.1f}–{r['step_p80_ms']:.1f}) | {timing} | {100 * r['optimizer_share']:.1f}% | "
+                     f"{r['peak_mem_mb']:.0f} | {r['final_train_loss']:.4f} | {r['eval_loss']:.4f} | "
+                     f"{100 * r['rel_diff_vs_fp32']:+.2f}% | {r['parity']} |")
+    table += ["", f"parity: held-out loss within {100 * tolerance:.1f}% of the fp32 run's; the hand-written stock "
+              "low-precision-params recipe is shown for comparison (info), not gated"]
+    table = "\n".join(table)
     with open(paths[1], "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(paths[3], "w", newline="") as f:
+        f.write("# ampfused end-to-end training benchmark\n\n- " + "; ".join(f"{k}: {v}" for k, v in env.items()) +
+                "\n\n" + table + "\n")
+    with open(paths[2], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step"] + [r["variant"] for r in results])
         for step, row in enumerate(zip(*(r["losses"] for r in results))):
             writer.writerow([step] + [f"{v:.5f}" for v in row])
+    with open(paths[3], "w") as f:
+        f.write(train_summary(table, env) + "\n")
+    try:
+        path = plot_losses(results, env, out)
+    except ImportError as exc:
+        return paths, f"{exc.name or exc} is not installed; `{cli.BENCH_EXTRA_HINT}` for loss_curves.png"
+    return paths + [path], ""
 
+
+def _smooth(values, window):
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_losses(results, env, out) -> str:
+    """Loss curves on top; below, each run's loss minus the fp32 run's (smoothed), where overlapping curves part."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    window = max(1, len(results[0]["losses"]) // 40)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    reference = _smooth(results[0]["losses"], window)
     for r in results:
-        ax.plot(r["losses"], label=f"{r['variant']} (held-out {r['eval_loss']:.3f})", linewidth=1)
-    ax.set(xlabel="optimizer step", ylabel="training loss (nats/byte)", title=f"Byte-level GPT on stdlib source — {env['hardware']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        curve = _smooth(r["losses"], window)
+        label = f"{r['variant']} (held-out {r['eval_loss']:.3f}, {100 * r['rel_diff_vs_fp32']:+.2f}%)"
+        style = "-" if r["variant"].startswith("ampfused") or r["variant"] == "fp32" else "--"
+        top.plot(curve, style, label=label, linewidth=1.2)
+        bottom.plot([c - f for c, f in zip(curve, reference)], style, linewidth=1.2)
+    top.set(ylabel="training loss (nats/byte)", title="training loss" + (f", moving average of {window} steps" if window > 1 else ""))
+    bottom.axhline(0.0, color="black", linewidth=0.8)
+    bottom.set(xlabel="optimizer step", ylabel="loss − fp32 run's loss", title="difference to the fp32 run")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend(fontsize=7.5)
+    fig.suptitle(f"Byte-level GPT on stdlib source ({env.get('model', '')})\n{env['hardware']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(paths[2], dpi=110)
+    path = os.path.join(out, "loss_curves.png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return paths
+    return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv if argv is not None else sys.argv[1:])
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def main(argv: list[str] | None = None, prog: str = "python -m ampfused.benchmarks.bench_train") -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    parser, args = parse_args(argv, prog)
+    device = cli.pick_device(parser, args.device)
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     preset = dict(PRESETS["tiny" if args.tiny else (args.preset or ("gpu" if device.type == "cuda" else "cpu"))])
@@ -229,26 +310,30 @@ def main(argv: list[str] | None = None) -> int:
     lowp = "bf16" if amp_dtype == torch.bfloat16 else "fp16"
     cfg = preset["model"]
 
+    started = time.perf_counter()
+    load = Load().start()
     data = stdlib_corpus(preset["corpus"])
     split = int(0.9 * len(data))
     micro = preset["micro_batch"]
     train_batches = batches(data[:split], micro, cfg.context, preset["steps"] * preset["accum"], args.seed, device)
     eval_batches = batches(data[split:], micro, cfg.context, preset["eval_batches"], args.seed + 1, device)
-    from .bench import environment
-
     env = environment(device, threads)
     env.update(model=f"{cfg.n_layer} layers, d={cfg.d_model}, context {cfg.context}, "
                f"{sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M params",
                batch=f"{preset['accum']} x {micro} x {cfg.context} bytes", steps=str(preset["steps"]),
-               amp_dtype=lowp, corpus=f"{len(data) / 1e6:.1f} MB of stdlib .py")
+               amp_dtype=lowp, corpus=f"{len(data) / 1e6:.1f} MB of stdlib .py",
+               command=" ".join([prog.replace(".benchmarks.bench_train", " bench train"), *argv]))
     print("bench_train: " + "; ".join(f"{k}: {v}" for k, v in env.items()))
 
-    from tqdm import tqdm
-
     variants = ["fp32", "torch-amp", "ampfused-fp32-params", f"torch-{lowp}-params", f"ampfused-{lowp}-params"]
-    results = []
-    for variant in tqdm(variants, unit="run", file=sys.stderr):
-        results.append(train(variant, preset, train_batches, eval_batches, device, amp_dtype, args.backend, args.seed))
+    progress = cli.Progress(max(0, preset["steps"] - UNTIMED), unit="step")
+    try:
+        results = train_all(variants, preset, train_batches, eval_batches, device, amp_dtype, args.backend, args.seed,
+                            args.max_spread, progress)
+    finally:
+        progress.close()
+    env.update(other_cores=f"{load.stop():.2f}", loadavg_after=load.loadavg_after,
+               wall_s=f"{time.perf_counter() - started:.0f}")
     reference = results[0]["eval_loss"]
     ok = True
     for r in results:
@@ -262,10 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             r["parity"] = "PASS" if within else "FAIL"
         ok &= r["parity"] != "FAIL"
-    paths = write_outputs(results, env, args.out, args.tolerance)
+    paths, plot_problem = write_outputs(results, env, args.out, args.tolerance)
     with open(paths[1]) as f:
         print(f.read())
     print("wrote " + ", ".join(paths))
+    if plot_problem:
+        print(f"plot not written: {plot_problem}", file=sys.stderr)
     print(f"parity: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -71,6 +71,7 @@ def all_configs() -> list[StepConfig]:
 
 
 FP32_CLIP = StepConfig("fp32", 1, True, True)
+FP32_NOCLIP = StepConfig("fp32", 1, True, False)
 BF16_X1_CLIP = StepConfig("bf16", 1, False, True)
 BF16_X4_CLIP = StepConfig("bf16", 4, False, True)
 FP16_X1_CLIP = StepConfig("fp16", 1, True, True)
@@ -143,7 +144,7 @@ def human(n: float) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    sweeps: tuple[str, ...]  # the sweeps ("configs", "size", "tensors") this measurement belongs to
+    sweeps: tuple[str, ...]  # the sweeps (SWEEPS) this measurement belongs to
     shapes: ShapeSet
     config: StepConfig
 
@@ -151,6 +152,17 @@ class Case:
     def label(self) -> str:
         return f"{self.config.name} on {self.shapes.label}"
 
+    @property
+    def host(self) -> bool:
+        """Timed on the host (see [note: host sweep]), not on the device."""
+        return self.sweeps == ("host",)
+
+
+SWEEPS = ("configs", "size", "tensors", "host")
+# [note: host sweep] many tiny tensors, where the device work is ~0 and a step's time is the Python
+# and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
+# model with 2000 params, 16 elements each.
+HOST_COUNTS, HOST_NUMEL = (148, 291, 2000), 16
 
 # [note: sweep design] The full configuration matrix is run at one representative size (GPT-2-like
 # shapes); total size is swept for fp32 (and bf16 on GPU), tensor count for fp32 and bf16 x4
@@ -163,7 +175,7 @@ PLANS = {
 }
 
 
-def plan(name: str, sweeps: tuple[str, ...] = ("configs", "size", "tensors"), sizes: tuple[int, ...] | None = None) -> list[Case]:
+def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | None = None) -> list[Case]:
     """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
     configs_total, size_totals, tensors_total = PLANS[name]
     if sizes:
@@ -178,6 +190,9 @@ def plan(name: str, sweeps: tuple[str, ...] = ("configs", "size", "tensors"), si
     if "tensors" in sweeps:
         head = (FP32_CLIP, BF16_X4_CLIP) if name != "quick" else (FP32_CLIP,)
         cases += [("tensors", shape_set(f, tensors_total), c) for c in head for f in ("few-large", "gpt2-like", "llama-like")]
+    if "host" in sweeps:
+        counts = HOST_COUNTS if name != "quick" else HOST_COUNTS[:1]
+        cases += [("host", ShapeSet("tiny", (HOST_NUMEL,) * n), c) for c in (FP32_CLIP, FP32_NOCLIP) for n in counts]
     merged: dict[tuple, tuple[str, ...]] = {}  # a case shared by two sweeps is measured once
     for sweep, shapes, config in cases:
         merged[(shapes, config)] = merged.get((shapes, config), ()) + (sweep,)

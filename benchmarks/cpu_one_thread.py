@@ -15,22 +15,22 @@ import sys
 
 import torch
 
-from . import configs, measure, providers
+from . import cli, configs, measure, providers
 
 STOCK_FUSED_TARGET, STOCK_FOREACH_TARGET = 1.3, 4.0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ampfused.benchmarks.cpu_one_thread")
-    parser.add_argument("--params", default="30M", help="total parameter count, e.g. 20M, 30M")
+    parser.add_argument("--params", type=cli.parse_size, default=30_000_000, help="total parameter count, e.g. 20M, 30M")
     args = parser.parse_args(argv)
-    total = int(float(args.params.rstrip("MK")) * {"M": 1e6, "K": 1e3}.get(args.params[-1], 1))
+    total = args.params
     torch.set_num_threads(1)
     device = torch.device("cpu")
     case = configs.Case(("tensors",), configs.shape_set("gpt2-like", total), configs.FP32_CLIP)
     data = providers.CaseData(case, device, 0)
-    budget = measure.Budget(min_s=1.0, max_s=4.0)
-    medians, expected = {}, None
+    budget = measure.Budget(min_s=1.0, max_s=4.0, min_samples=10)
+    live, expected = {}, None
     for name in ("torch-fused", "torch-foreach", "ampfused-cpu"):
         provider = providers.make(name, case, data, device)
         for _ in range(2):
@@ -42,9 +42,16 @@ def main(argv=None) -> int:
         elif mismatch := measure.compare(results, expected):
             print(f"{name}: correctness gate FAILED: {mismatch}")
             return 1
-        timing = measure.time_fn(provider.step, device, 1, budget)
+        live[name] = provider
+    timings = measure.interleaved({n: p.step for n, p in live.items()}, device, budget)  # load hits all alike
+    medians = {}
+    for name, timing in timings.items():
+        if timing.error:
+            print(f"{name}: FAILED: {timing.error}")
+            return 1
         medians[name] = timing.median_ms
-        print(f"{name:14s} {timing.median_ms:8.1f} ms/step (p20 {timing.p20_ms:.1f}, p80 {timing.p80_ms:.1f})")
+        print(f"{name:14s} {timing.median_ms:8.1f} ms/step (p20 {timing.p20_ms:.1f}, p80 {timing.p80_ms:.1f}, "
+              f"{timing.samples} samples){'  UNSTABLE: ' + timing.unstable if timing.unstable else ''}")
     vs_fused = medians["torch-fused"] / medians["ampfused-cpu"]
     vs_foreach = medians["torch-foreach"] / medians["ampfused-cpu"]
     ok = vs_fused >= STOCK_FUSED_TARGET and vs_foreach >= STOCK_FOREACH_TARGET

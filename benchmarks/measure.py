@@ -1,20 +1,24 @@
-"""Timing, the device-copy roofline, peak memory and the correctness comparison.
+"""Timing, the roofline stream, peak memory and the correctness comparison.
 
-[note: timers] CPU: ``torch.utils.benchmark.Timer.adaptive_autorange`` with a fixed thread count
-(it reports per-block mean times; blocks are one step long once a step takes more than ~0.1 ms
-times 10^4 timer overheads, i.e. per-step samples for every size measured here but the smallest).
-GPU: ``triton.testing.do_bench`` (CUDA events around every call, L2 flushed between calls), with a
-plain CUDA-event loop as the fallback when Triton is missing.
+[note: interleaved timing] Every provider of a case (and the roofline streams of its byte counts) is
+timed in the same loop: each round runs every function a calibrated burst of calls, so machine
+load, clock changes and thermal drift hit stock and ampfused alike, at a granularity of a few
+milliseconds. Each call is one sample: ``time.perf_counter`` around it on CPU, CUDA events around it
+on a GPU (L2 flushed before every call, as ``triton.testing.do_bench`` does). A timing is
+*unstable* when it got fewer than ``Budget.min_samples`` samples or its p20-p80 spread exceeds
+``Budget.max_spread`` of the median; unstable timings are reported as such, never silently.
+Host timing (``host=True``): wall time of the call alone on the calling thread, the device
+synchronized before every call but not inside it.
 """
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
-from torch.utils import benchmark
 
 
 @dataclass
@@ -23,63 +27,159 @@ class Timing:
     p20_ms: float
     p80_ms: float
     samples: int
+    unstable: str = ""  # why this timing should not be trusted; "" when it is stable
+    error: str = ""  # the function raised: "Type: message" (no timing then)
+
+    @property
+    def spread(self) -> float:
+        """(p80 - p20) / median."""
+        return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else math.inf
 
 
 @dataclass
 class Budget:
-    """Seconds of measurement per timing: at least ``min_s`` (and 4 samples), at most ``max_s``."""
+    """Per timed function: at least ``min_samples`` calls and ``min_s`` seconds of its own measured
+    time, in ``rounds`` interleaved rounds; measuring goes on (up to ``max_s`` per function) while
+    a spread is above ``max_spread``."""
 
     min_s: float
     max_s: float
+    min_samples: int = 10
+    max_spread: float = 0.15
+    rounds: int = 10
+    cap_s: float = 120.0  # per case: the minimums give way only here (a runaway slow provider)
 
 
-def time_fn(fn: Callable[[], None], device: torch.device, threads: int, budget: Budget) -> Timing:
-    if device.type == "cuda":
-        return _time_cuda(fn, budget)
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-    m = timer.adaptive_autorange(threshold=0.1, min_run_time=budget.min_s, max_run_time=budget.max_s)
-    times = np.asarray(m.times) * 1e3
-    return Timing(float(np.median(times)), float(np.percentile(times, 20)), float(np.percentile(times, 80)), len(times))
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _time_cuda(fn, budget: Budget) -> Timing:
-    try:
-        from triton.testing import do_bench
-    except ImportError:
-        do_bench = None
-    if do_bench is not None:
-        med, p20, p80 = do_bench(fn, warmup=max(1, int(budget.min_s * 250)), rep=max(1, int(budget.min_s * 1000)),
-                                 quantiles=[0.5, 0.2, 0.8])
-        return Timing(med, p20, p80, -1)
-    fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(50)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(50)]
-    for s, e in zip(starts, ends):
-        s.record()
+def summarize(times_ms: list[float], budget: Budget) -> Timing:
+    if not times_ms:
+        return Timing(math.nan, math.nan, math.nan, 0, unstable="no samples")
+    t = Timing(percentile(times_ms, 50), percentile(times_ms, 20), percentile(times_ms, 80), len(times_ms))
+    if t.samples < budget.min_samples:
+        t.unstable = f"{t.samples} samples < {budget.min_samples}"
+    elif t.spread > budget.max_spread:
+        t.unstable = f"p20-p80 spread {100 * t.spread:.0f}% > {100 * budget.max_spread:.0f}%"
+    return t
+
+
+class _CallTimer:
+    """Times one call of ``fn`` in ms: perf_counter (CPU, host mode) or CUDA events (GPU device time)."""
+
+    def __init__(self, device: torch.device, host: bool, clock: Callable[[], float]):
+        self.cuda = device.type == "cuda"
+        self.host, self.clock = host, clock
+        self.flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if self.cuda and not host else None
+        self.pending: list = []
+
+    def call(self, fn, sink: list) -> None:
+        if self.cuda and self.host:
+            torch.cuda.synchronize()
+        if self.flush is not None:
+            self.flush.zero_()  # 256 MiB: no step starts with its operands in L2
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            self.pending.append((start, end, sink))
+            return
+        t0 = self.clock()
         fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = np.array([s.elapsed_time(e) for s, e in zip(starts, ends)])
-    return Timing(float(np.median(times)), float(np.percentile(times, 20)), float(np.percentile(times, 80)), len(times))
+        sink.append((self.clock() - t0) * 1e3)
+
+    def finish(self) -> None:
+        """Collect the CUDA-event times recorded since the last finish (one synchronize per burst)."""
+        if self.pending:
+            torch.cuda.synchronize()
+            for start, end, sink in self.pending:
+                sink.append(start.elapsed_time(end))
+            self.pending.clear()
+
+
+def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget: Budget, *, host: bool = False,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
+    """Time every function of ``fns`` in alternating bursts (see [note: interleaved timing]).
+
+    One untimed call of each calibrates its burst length: ``ceil(max(min_samples, min_s / t) / rounds)``
+    calls per round, so a slow function and a fast one both finish their minimum in about
+    ``rounds`` rounds. A function that raises is dropped from the rotation and reported with ``error``.
+    """
+    timer = _CallTimer(device, host, clock)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    errors: dict[str, str] = {}
+    burst: dict[str, int] = {}
+    for name, fn in fns.items():  # calibration (and a warm-up after whatever ran before)
+        probe: list[float] = []
+        try:
+            timer.call(fn, probe)
+            timer.finish()
+        except Exception as exc:  # noqa: BLE001 -- a crashing provider is a failed provider
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        t_s = max(probe[0], 1e-6) * 1e-3
+        burst[name] = max(1, math.ceil(max(budget.min_samples, budget.min_s / t_s) / budget.rounds))
+    own_s = {name: 0.0 for name in burst}
+    begin = clock()
+    deadline, cap = begin + budget.max_s * max(len(burst), 1), begin + budget.cap_s
+    rounds = 0
+    while burst:
+        for name in list(burst):
+            try:
+                for _ in range(burst[name]):
+                    timer.call(fns[name], samples[name])
+                timer.finish()
+            except Exception as exc:  # noqa: BLE001
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                del burst[name]
+                timer.pending.clear()
+        rounds += 1
+        for name in burst:
+            own_s[name] = sum(samples[name]) * 1e-3
+        enough = rounds >= budget.rounds and all(
+            len(samples[n]) >= budget.min_samples and own_s[n] >= budget.min_s for n in burst)
+        if enough and all(not summarize(samples[n], budget).unstable for n in burst):
+            break
+        now = clock()
+        if (enough and now >= deadline) or now >= cap:
+            break  # out of time: what is still noisy (or short) is reported as unstable
+    out = {name: summarize(ts, budget) for name, ts in samples.items() if name not in errors}
+    out.update({name: Timing(math.nan, math.nan, math.nan, 0, error=err) for name, err in errors.items()})
+    return out
 
 
 COPY_CAP_BYTES = 4 << 30
 
 
-def copy_bandwidth(nbytes: float, device: torch.device, threads: int, budget: Budget) -> float:
-    """GB/s of ``dst.copy_(src)`` moving ``nbytes`` (read nbytes/2, write nbytes/2): the practical roofline.
+class DeviceCopy:
+    """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a).
 
-    [note: copy cap] above 4 GiB moved the copy runs on 4 GiB (bandwidth is flat well before that),
-    so a 1B-param case does not need another 48 GB of device memory.
+    Timed in the same interleaved loop as the providers (``fn``), so it sees the same load.
+    [note: roofline op] an in-place update, not ``dst.copy_(src)``: on a CPU a copy's stores first
+    read the destination into cache (write-allocate), moving 1.5x the bytes it is credited with,
+    so stock AdamW -- which updates in place, like ``a += b`` -- ran "above the roofline".
+    [note: copy cap] above 4 GiB moved the stream runs on 4 GiB (bandwidth is flat well before
+    that), so a 1B-param case does not need another 48 GB of device memory.
     """
-    moved = int(min(nbytes, COPY_CAP_BYTES))
-    half = max(moved // 8, 1)  # fp32 elements per buffer
-    src = torch.ones(half, device=device)
-    dst = torch.empty_like(src)
-    timing = time_fn(lambda: dst.copy_(src), device, threads, budget)
-    del src, dst
-    return 2 * half * 4 / (timing.median_ms * 1e-3) / 1e9
+
+    def __init__(self, nbytes: float, device: torch.device):
+        moved = int(min(nbytes, COPY_CAP_BYTES))
+        n = max(moved // 12, 1)  # fp32 elements per buffer: 3 x 4 bytes per element
+        self.a = torch.ones(n, device=device)
+        self.b = torch.full((n,), 1e-30, device=device)  # a stays 1.0: no denormals, no overflow
+        self.moved = 3 * n * 4
+
+    def fn(self) -> None:
+        self.a.add_(self.b)
+
+    def gbps(self, timing: Timing) -> float:
+        return self.moved / (timing.median_ms * 1e-3) / 1e9
 
 
 class PeakMemory:

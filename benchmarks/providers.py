@@ -199,7 +199,7 @@ def bytes_per_param(provider: str, case: Case) -> float:
 
     * stock, fp32 params: ``8s + 12c + 28`` -- unscale_ (read+write g: 8), clip_grad_norm_ (norm:
       read g 4; scale: read+write g 8), AdamW (read p, g, m, v; write p, m, v: 28). 48 B with both
-      (DESIGN §4).
+      (docs/design.md §4).
     * stock, bf16/fp16 params: ``(L+4) + (N-1)(L+8) + 8s + 12c + 28 + (4+L)`` -- cast-copy of the
       first micro-batch, cast-add of the others, the fp32 step on the masters, and the copy of the
       masters into the params.

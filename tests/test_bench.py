@@ -1,12 +1,18 @@
 """Smoke tests of the benchmarks: `python -m ampfused bench --quick` end to end, its correctness gate,
-and a tiny run of the end-to-end training benchmark. Each runs in a subprocess from a directory
-outside the repository, as a user would run the installed package."""
+the `unstable` marking (with a fake clock) and `--strict`, runs without the optional plotting and
+progress packages, and a tiny run of the end-to-end training benchmark. Runs of the commands are
+subprocesses started outside the repository, as a user would run the installed package."""
 import csv
+import itertools
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from ampfused.benchmarks import configs, measure, report, summary
 
 
 def run(args, cwd, timeout=300):
@@ -24,18 +30,29 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     proc = run(["-m", "ampfused", "bench", "--quick", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness gate: PASSED" in proc.stdout
-    for name in ("bench.csv", "bench.md", "size_sweep.png", "configs_speedup.png", "tensors_sweep.png"):
+    for name in ("bench.csv", "bench.md", "summary.md", "size_sweep.png", "configs_speedup.png", "tensors_sweep.png",
+                 "host_sweep.png"):
         assert (out / name).stat().st_size > 0, name
     rows = read_rows(out / "bench.csv")
     providers = {r["provider"] for r in rows}
     assert {"torch-foreach", "torch-fused"} <= providers
     assert any(p.startswith("ampfused-") for p in providers)
     assert all(r["status"] == "ok" for r in rows)
+    device_rows = [r for r in rows if r["timer"] == "device"]
+    host_rows = [r for r in rows if r["timer"] == "host"]
+    assert device_rows and host_rows
+    for r in device_rows:
+        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and float(r["roofline_gbps"]) > 0
     for r in rows:
-        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and float(r["copy_gbps"]) > 0
         assert r["torch"] and r["hardware"] and r["date"]
+        assert int(r["samples"]) >= 5  # the quick plan's minimum, unless marked unstable for it
+        assert float(r["other_cores"]) >= 0
+    for r in host_rows:  # stock fused with and without clipping against ampfused, as a host-time ratio
+        assert {r["provider"] for r in host_rows} >= {"torch-fused", "ampfused-cpu"}
+        assert (r["host_ratio_vs_torch_fused"] != "") == r["provider"].startswith("ampfused-")
+    assert {r["clip"] for r in host_rows} == {"True", "False"}
     fp32 = {r["provider"]: float(r["bytes_per_param"]) for r in rows if r["config"] == "fp32-scaled-clip"}
-    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 32  # DESIGN §4
+    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 32  # docs/design.md §4
     assert "| torch-fused |" in (out / "bench.md").read_text()
 
 
@@ -67,5 +84,140 @@ def test_bench_train_tiny_run_passes_parity(tmp_path):
     proc = run(["-m", "ampfused.benchmarks.bench_train", "--tiny", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity: PASS" in proc.stdout
-    for name in ("train.csv", "train.md", "loss_curves.png"):
+    for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
+
+
+# ---------------------------------------------------------------- timing: interleaving and `unstable`
+
+
+class FakeClock:
+    """A clock that only the timed functions move: each call advances it by its next duration."""
+
+    def __init__(self):
+        self.now, self.calls = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def fn(self, name, durations):
+        durations = itertools.cycle(durations)
+
+        def step():
+            self.calls.append(name)
+            self.now += next(durations)
+
+        return step
+
+
+def test_interleaved_timing_alternates_and_marks_noisy_timings_unstable():
+    clock = FakeClock()
+    fns = {"steady": clock.fn("steady", [1e-3]), "noisy": clock.fn("noisy", [1e-3, 1e-3, 3e-3])}
+    budget = measure.Budget(min_s=0.05, max_s=0.2, min_samples=10, max_spread=0.15, rounds=5)
+    timings = measure.interleaved(fns, torch.device("cpu"), budget, clock=clock)
+    steady, noisy = timings["steady"], timings["noisy"]
+    assert steady.unstable == "" and steady.median_ms == pytest.approx(1.0) and steady.samples >= 50
+    assert noisy.unstable.startswith("p20-p80 spread") and noisy.p80_ms == pytest.approx(3.0)
+    switches = sum(a != b for a, b in zip(clock.calls, clock.calls[1:]))
+    assert switches >= 2 * budget.rounds - 1  # bursts alternate, not one function after the other
+    # a noisy function is measured for longer, up to max_s per function, before it is given up on
+    assert 0.2 * 2 <= clock.now <= 0.2 * 2 + 0.1
+
+
+def test_interleaved_timing_marks_too_few_samples_and_reports_errors():
+    clock = FakeClock()
+
+    def broken():
+        raise RuntimeError("kernel crashed")
+
+    fns = {"slow": clock.fn("slow", [1.0]), "fast": clock.fn("fast", [1e-3]), "broken": broken}
+    budget = measure.Budget(min_s=0.01, max_s=0.1, min_samples=10, rounds=5, cap_s=3.0)
+    timings = measure.interleaved(fns, torch.device("cpu"), budget, clock=clock)
+    assert timings["slow"].unstable.endswith("samples < 10") and timings["slow"].samples < 10
+    assert timings["fast"].samples > timings["slow"].samples  # bursts: a fast function gets more calls per round
+    assert timings["broken"].error == "RuntimeError: kernel crashed" and math.isnan(timings["broken"].median_ms)
+
+
+def _rows(unstable_stock: str):
+    case = configs.Case(("configs",), configs.shape_set("gpt2-like", 4096), configs.FP32_CLIP)
+    env = {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a", "plan": "quick"}
+    rows = []
+    for name, ms, unstable in (("torch-fused", 2.0, unstable_stock), ("torch-foreach", 4.0, ""), ("ampfused-cpu", 1.0, "")):
+        row = report.base_row(env, case, name)
+        row.update(status="ok", timer="device", median_ms=ms, p20_ms=ms * 0.9, p80_ms=ms * 1.1, samples=20,
+                   unstable=unstable, roofline_gbps=10.0, other_cores=0.5)
+        rows.append(row)
+    report.add_derived(rows)
+    return rows
+
+
+def test_unstable_rows_are_marked_in_table_csv_and_summary(tmp_path):
+    rows = _rows("p20-p80 spread 40% > 15%")
+    by = {r["provider"]: r for r in rows}
+    assert by["ampfused-cpu"]["speedup_vs_torch_fused"] == pytest.approx(2.0)
+    assert by["ampfused-cpu"]["unstable"] == "compared with unstable torch-fused"  # its ratio is no better than its base
+    assert by["torch-foreach"]["unstable"] == ""
+    table = report.markdown_table(rows)
+    assert "| **unstable**: p20-p80 spread 40% > 15% |" in table and "| stable |" in table
+    report.write_csv(rows, tmp_path / "bench.csv")
+    assert [r["unstable"] for r in read_rows(tmp_path / "bench.csv")] == [
+        "p20-p80 spread 40% > 15%", "", "compared with unstable torch-fused"]
+    text = summary.bench_summary(rows, {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a"})
+    assert "2 of 3 timings unstable (marked †)" in text and "2.00 †" in text
+    assert "unstable" not in report.markdown_table(_rows(""))
+
+
+def test_strict_fails_the_run_on_unstable_timings(tmp_path):
+    args = ["-m", "ampfused", "bench", "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+            "--max-spread", "1e-9"]  # no real timing is that steady
+    proc = run([*args, "--out", str(tmp_path / "a"), "--strict"], cwd=tmp_path)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--strict: 3 unstable timings" in proc.stderr and "correctness gate: PASSED" in proc.stdout
+    rows = read_rows(tmp_path / "a" / "bench.csv")
+    assert all(r["unstable"] for r in rows)
+    assert "**unstable**" in (tmp_path / "a" / "bench.md").read_text()
+    assert "3 of 3 timings unstable" in (tmp_path / "a" / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------- optional dependencies
+
+WITHOUT_BENCH_EXTRA = """
+import sys
+sys.modules["matplotlib"] = None  # import matplotlib raises ImportError, as when it is not installed
+sys.modules["tqdm"] = None
+from ampfused.benchmarks import bench
+sys.exit(bench.main(sys.argv[1:]))
+"""
+
+
+def test_bench_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
+    out = tmp_path / "results"
+    proc = run(["-c", WITHOUT_BENCH_EXTRA, "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+                "--out", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "bench.csv").stat().st_size > 0 and "| torch-fused |" in (out / "bench.md").read_text()
+    assert (out / "summary.md").exists() and not list(out.glob("*.png"))
+    assert 'matplotlib is not installed; `pip install "ampfused[bench]"` for the PNG plots' in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_train_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
+    out = tmp_path / "train"
+    code = WITHOUT_BENCH_EXTRA.replace("from ampfused.benchmarks import bench", "from ampfused.benchmarks import bench_train as bench")
+    proc = run(["-c", code, "--tiny", "--steps", "12", "--out", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "train.csv").exists() and (out / "train.md").exists() and not (out / "loss_curves.png").exists()
+    assert '`pip install "ampfused[bench]"` for loss_curves.png' in proc.stderr
+
+
+def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench-summary -->\nold table\n<!-- end -->\nmiddle\n<!-- train-summary -->\nold\n<!-- end -->\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.md").write_text("| new | bench |\n")
+    assert summary.main(["--bench", str(tmp_path / "b"), "--readme", str(readme)]) == 0
+    assert readme.read_text() == ("intro\n<!-- bench-summary -->\n| new | bench |\n<!-- end -->\nmiddle\n"
+                                  "<!-- train-summary -->\nold\n<!-- end -->\n")
+    with pytest.raises(SystemExit) as exit_info:  # a folder without a run is an argument error, not a traceback
+        summary.main(["--train", str(tmp_path / "missing"), "--readme", str(readme)])
+    assert exit_info.value.code == 2

@@ -1,0 +1,104 @@
+"""What a benchmark row records about the machine: versions, hardware, and the load other processes put on it.
+
+Shared by ``bench.py`` and ``bench_train.py`` (neither imports the other: ``bench`` only hands
+``bench train`` over to ``bench_train.main``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+import torch
+
+
+def environment(device: torch.device, threads: int) -> dict[str, str]:
+    import ampfused
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "")
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device.type,
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "ampfused": ampfused.__version__,
+        "python": platform.python_version(),
+        "threads": str(threads),
+        "loadavg": loadavg(),
+    }
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        model = fields.get("Model name", platform.processor()).strip()
+        return f"{model} ({fields.get('CPU(s)', '?').strip()} CPUs, L3 {fields.get('L3 cache', '?').strip()})"
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return platform.processor() or platform.machine()
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
+
+class Load:
+    """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``.
+
+    [note: load measure] /proc/stat's busy jiffies of the whole machine minus this process's own
+    (/proc/self/stat, all threads), over the elapsed jiffies: 0.0 on an idle machine, 1.0 when
+    another process kept one core busy the whole time. The load average alone cannot tell this
+    benchmark's own threads from other work. NaN where /proc is not available.
+    """
+
+    def __init__(self):
+        self.begin = None
+        self.loadavg_before = self.loadavg_after = "?"
+
+    def start(self) -> "Load":
+        self.loadavg_before = loadavg()
+        self.begin = _sample()
+        return self
+
+    def stop(self) -> float:
+        self.loadavg_after = loadavg()
+        return self.other_cores(self.begin, _sample())
+
+    def other_cores_now(self) -> float:
+        """Other processes' busy cores since ``start()``, without stopping."""
+        return self.other_cores(self.begin, _sample())
+
+    @staticmethod
+    def other_cores(begin, end) -> float:
+        if begin is None or end is None:
+            return float("nan")
+        (busy0, total0, own0), (busy1, total1, own1) = begin, end
+        elapsed = (total1 - total0) / max(os.cpu_count() or 1, 1)  # jiffies of wall time
+        if elapsed <= 0:
+            return float("nan")
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
+
+
+def _sample():
+    """(machine busy jiffies, machine total jiffies, this process's jiffies) or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+        return total - idle, total, int(own[11]) + int(own[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None

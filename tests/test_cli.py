@@ -1,0 +1,87 @@
+"""`python -m ampfused ...` fails politely: every bad argument is an argparse error (exit status 2, one
+error line naming the problem, no traceback), and the help and version a user looks for are there."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ampfused
+from ampfused.__main__ import main
+
+
+def run_main(capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--sizes", "abc"], "argument --sizes: 'abc' is not a size"),
+    (["bench", "--sizes", "0"], "argument --sizes: '0': a size is at least 1"),
+    (["bench", "--sweeps", "nope"], "argument --sweeps: unknown 'nope'; choose from configs, size, tensors, host"),
+    (["bench", "--sweeps", ""], "argument --sweeps: unknown empty list"),
+    (["bench", "--backends", "nope"], "argument --backends: unknown 'nope'; choose from cuda, triton, cpu, reference"),
+    (["bench", "--threads", "0"], "argument --threads: '0': must be at least 1"),
+    (["bench", "--gate-steps", "x"], "argument --gate-steps: 'x' is not an integer"),
+    (["bench", "--max-spread", "-1"], "argument --max-spread: '-1': must be above 0"),
+    (["bench", "--sweeps", "configs", "--sizes", "1M"], "--sizes sets the size sweep, which --sweeps leaves out"),
+    (["bench", "--bogus"], "unrecognized arguments: --bogus"),
+    (["info", "--bogus"], "info takes no arguments: --bogus"),
+    (["bogus"], "invalid choice: 'bogus'"),
+    (["bench", "train", "--steps", "0"], "argument --steps: '0': must be at least 1"),
+    (["bench", "train", "--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
+    (["bench", "train", "--tolerance", "abc"], "argument --tolerance: 'abc' is not a number"),
+])
+def test_bad_arguments_are_argparse_errors(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("command", [["bench"], ["bench", "train"]])
+def test_device_cuda_without_cuda_says_so(capsys, command):
+    code, _, err = run_main(capsys, *command, "--device", "cuda")
+    assert code == 2
+    assert "--device cuda: CUDA is not available" in err and "Traceback" not in err
+
+
+def test_requested_backend_that_cannot_run_is_an_error(capsys):
+    code, _, err = run_main(capsys, "bench", "--device", "cpu", "--backends", "cuda")
+    assert code == 2
+    assert "--backends: none of the requested backends can run here: cuda:" in err
+
+
+def test_version(capsys):
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out.strip() == f"ampfused {ampfused.__version__}"
+
+
+def test_help_lists_every_command(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
+    commands = {line.split()[0] + (" train" if "bench train" in line else "") for line in out.splitlines()
+                if line.startswith("  ") and line.split() and line.split()[0] in ("info", "bench")}
+    assert commands == {"info", "bench", "bench train"}, out
+
+
+@pytest.mark.parametrize("command, prog", [(["bench"], "python -m ampfused bench"),
+                                           (["bench", "train"], "python -m ampfused bench train")])
+def test_subcommand_help(capsys, command, prog):
+    code, out, _ = run_main(capsys, *command, "--help")
+    assert code == 0 and out.startswith(f"usage: {prog} ")
+
+
+def test_bad_argument_from_a_shell_has_no_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "ampfused", "bench", "--sizes", "abc"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "python -m ampfused bench: error: argument --sizes: 'abc' is not a size (examples: 4096, 64K, 1M, 1.5B)")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

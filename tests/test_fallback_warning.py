@@ -1,0 +1,71 @@
+"""A CUDA optimizer that falls back to the slow `reference` backend says so once per process, naming the fix
+(resolving a backend for a CUDA device needs no GPU: only the probes' answers matter)."""
+import warnings
+
+import torch
+
+from ampfused import _backends
+
+
+def fake_probes(monkeypatch, **reasons):
+    probed = {name: (None, reason) for name, reason in reasons.items()}
+    probed["reference"] = (_backends.importlib.import_module("ampfused.reference"), "")
+    monkeypatch.setattr(_backends, "_probed", probed)
+    monkeypatch.setattr(_backends, "_warned_reference_on_cuda", False)
+    monkeypatch.delenv(_backends.ENV_VAR, raising=False)
+
+
+def resolve_all(*requests):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        names = [_backends.resolve(r, torch.device("cuda"))[0].NAME for r in requests]
+    return names, [w for w in caught if issubclass(w.category, _backends.SlowBackendWarning)]
+
+
+def test_reference_fallback_on_cuda_warns_once_naming_the_fix(monkeypatch):
+    fake_probes(monkeypatch, cuda="ampfused._C was built without CUDA kernels", triton="triton is not installed")
+    names, caught = resolve_all(None, None, None)
+    assert names == ["reference"] * 3
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert 'pip install "triton>=3.6"' in message and "AMPFUSED_BUILD_CUDA=1" in message
+    assert "triton is not installed" in message  # why each fused backend was passed over
+
+
+def test_no_warning_when_reference_is_asked_for_or_a_fused_backend_serves(monkeypatch):
+    fake_probes(monkeypatch, cuda="not built", triton="triton is not installed")
+    assert resolve_all("reference") == (["reference"], [])
+    monkeypatch.setattr(_backends, "_probed", {**_backends._probed, "triton": (type("T", (), {"NAME": "triton"})(), "")})
+    assert resolve_all(None) == (["triton"], [])
+
+
+def test_cpu_tensors_on_reference_do_not_warn(monkeypatch):
+    fake_probes(monkeypatch, cpu="the compiled extension is not available")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _backends.resolve(None, torch.device("cpu"))[0].NAME == "reference"
+    assert not [w for w in caught if issubclass(w.category, _backends.SlowBackendWarning)]
+
+
+def test_install_hints_are_quoted_and_numpy_is_named(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_numpy(name, *args, **kwargs):
+        if name == "triton":
+            raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_numpy)
+    module, reason = _backends._probe_triton()
+    assert module is None and "Triton needs numpy" in reason and "pip install numpy" in reason
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton":
+            raise ModuleNotFoundError("No module named 'triton'", name="triton")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    module, reason = _backends._probe_triton()
+    assert module is None and reason.endswith('`pip install "triton>=3.6"`')
