@@ -148,20 +148,34 @@ def _sharded_dims(p: Tensor) -> tuple[int, ...]:
 
 
 class _MeshReducer:
-    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim."""
+    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim.
+
+    Always two fp32 elements, whatever the caller's ``found_inf`` (tensor, number or None), so a
+    rank with nothing to step can join with zeros (:meth:`join`).
+    """
 
     def __init__(self, groups: list):
         self.groups = groups
 
-    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+        if isinstance(found_inf, Tensor):
+            flag = found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()
+        else:  # a number from the host (or None): no device read
+            flag = torch.full((), float(bool(found_inf)), dtype=torch.float32, device=sumsq.device)
+        packed = torch.stack([sumsq.reshape(()), flag])
+        self._all_reduce(packed)
+        return packed[0], packed[1]
+
+    def join(self, device: torch.device | None) -> None:
+        """Take part in the collective with zeros (a rank whose optimizer has no gradient this step)."""
         import torch.distributed as dist
 
-        if isinstance(found_inf, Tensor):
-            packed = torch.stack([sumsq.reshape(()), found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()])
-        else:  # a plain number stays a plain number: every rank has the same one
-            packed = sumsq.reshape(1)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.groups[0]) == "nccl" else torch.device("cpu")
+        self._all_reduce(torch.zeros(2, dtype=torch.float32, device=device))
+
+    def _all_reduce(self, packed: Tensor) -> None:
+        import torch.distributed as dist
+
         for group in self.groups:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        if isinstance(found_inf, Tensor):
-            return packed[0], packed[1]
-        return packed[0], found_inf

@@ -27,6 +27,8 @@ import sys
 import torch
 from torch import Tensor
 
+from ._dtensor import _MeshReducer
+
 __all__ = ["data_parallel"]
 
 
@@ -178,13 +180,8 @@ def zero_stats_reducer(max_frames: int = 4):
     return None
 
 
-class GroupReducer:
+class GroupReducer(_MeshReducer):
     """``reduce_stats`` over one process group (ZeRO's partitions): SUM of the sum of squares and the inf flag."""
 
     def __init__(self, group):
-        self.group = group
-
-    def __call__(self, sumsq: Tensor, found_inf):
-        from ._dtensor import _MeshReducer
-
-        return _MeshReducer([self.group])(sumsq, found_inf)
+        super().__init__([group])

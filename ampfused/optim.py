@@ -355,6 +355,8 @@ class FusedAmpAdamW(Optimizer):
         found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
         plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
         if not plan.params:
+            if getattr(self, "_zero_reducer", None) is not None:  # [distributed] an empty ZeRO partition still joins
+                self._zero_reducer.join(self._device)
             return loss
         hypers = plan.hypers()
         lists = [plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs, plan.masters]

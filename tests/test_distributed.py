@@ -145,6 +145,17 @@ def check_zero(rank, backend):
                 torch.testing.assert_close(opt.optim.state[p][key], ref.optim.state[q][key], **tol(backend))
     with pytest.raises(ValueError, match="fp32_grad_accumulation=False"):
         ZeroRedundancyOptimizer(make_model(torch.bfloat16).parameters(), optimizer_class=ampfused.FusedAmpAdamW)
+    # one param on two ranks: one partition is empty, and that rank must still join the stats all-reduce
+    lone = DDP(torch.nn.Linear(6, 3, bias=False).to(device()))
+    opt = ZeroRedundancyOptimizer(lone.parameters(), optimizer_class=ampfused.FusedAmpAdamW, lr=1e-2, max_grad_norm=CLIP, backend=backend)
+    for step in range(2):
+        x, y = micro_batch(step, rank)
+        torch.nn.functional.mse_loss(lone(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    gathered = [torch.empty_like(lone.module.weight) for _ in range(WORLD)]
+    dist.all_gather(gathered, lone.module.weight.detach())
+    assert torch.equal(gathered[0], gathered[1]), "ZeRO with an empty partition: ranks diverged"
 
 
 def check_refusals():
