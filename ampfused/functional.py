@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from . import _backends
+from . import _backends, _dtensor, reference
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 # Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
@@ -93,12 +93,22 @@ def fused_amp_adamw(
     if n == 0:
         return torch.zeros(()), torch.zeros(())
     module = _backends.resolve(backend, params[0].device)[0]
-    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+    # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
+    (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
+    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+                    reduce_stats=reduce_stats)
 
 
-def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf) -> tuple[Tensor, Tensor]:
+def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
+             reduce_stats=None) -> tuple[Tensor, Tensor]:
     """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
-    are 0-d views of one fresh device vector."""
+    are 0-d views of one fresh device vector.
+
+    ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
+    skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
+    the finish then runs again on them, so every rank takes the same decision.
+    """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
         grad_scale = grad_scale.to(device=device, dtype=torch.float32)
@@ -109,5 +119,9 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
     backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats)
+    if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
+        sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
+        stats[SUMSQ], stats[SKIP] = sumsq, flag
+        reference.finish_(stats, grad_scale, None, max_grad_norm)
     backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats)
     return stats[NORM], stats[SKIP]

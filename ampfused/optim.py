@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _backends, _main_grad, functional
+from . import _backends, _dtensor, _main_grad, distributed, functional
 from ._flat import FlatBuffer, check_grad as _check_grad, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -109,10 +109,17 @@ class FusedAmpAdamW(Optimizer):
         self.grad_norm: Tensor | None = None
         self._backend_name = backend
         self._init_runtime()
+        # [distributed] one partition of a ZeroRedundancyOptimizer: stats summed over its group (see [note: ZeRO])
+        self._zero_reducer = distributed.zero_stats_reducer()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         **IMPLEMENTATION_KEYS)
         super().__init__(params, defaults)
         self._params_registered = True
+        if self._zero_reducer is not None and any(self._uses_main_grad(p) for p in self._all_params()):
+            raise ValueError(
+                "ZeroRedundancyOptimizer(optimizer_class=FusedAmpAdamW) with fp16/bf16 params and fp32 gradient accumulation "
+                "is not supported: DDP all-reduces the gradients in the param dtype and cannot take the fp32 p.grad of a "
+                "partition; pass fp32_grad_accumulation=False (master weights stay fp32), or use fp32 params under autocast")
         self._setup_main_grads()
 
     def _init_runtime(self) -> None:
@@ -167,6 +174,7 @@ class FusedAmpAdamW(Optimizer):
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim.AdamW warns and applies such a param twice per step; one fused launch cannot
             raise ValueError("a parameter group lists the same parameter more than once: list each parameter once")
+        _dtensor.check_params(self._all_params() + tensors)  # [distributed] DTensors: all or none, one mesh
         group_options = {k: v for k, v in param_group.items() if k != "params"}
         merged = {**self.defaults, **group_options}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
@@ -193,6 +201,11 @@ class FusedAmpAdamW(Optimizer):
                 f"parameter of shape {tuple(p.shape)} with strides {p.stride()} is a view with gaps or overlaps "
                 "(e.g. a slice or an expand of another tensor): FusedAmpAdamW steps dense params of any memory format; "
                 "pass a tensor of its own (p.clone() or p.contiguous())")
+        if _dtensor.is_dtensor(p) and p.dtype in LOW_PRECISION and self.fp32_grad_accumulation:
+            raise ValueError(
+                "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
+                "keep the sharded params fp32 and ask FSDP2 for fp32 gradients with "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
         if self._device is None:
             self._device = p.device
         elif p.device != self._device:
@@ -202,7 +215,7 @@ class FusedAmpAdamW(Optimizer):
         return p.dtype in LOW_PRECISION and self.master_weights is not False
 
     def _uses_main_grad(self, p: Tensor) -> bool:
-        if p.dtype not in LOW_PRECISION:
+        if p.dtype not in LOW_PRECISION or _dtensor.is_dtensor(p):  # [distributed] FSDP2 owns DTensor grads
             return False
         if self.fp32_grad_accumulation is None:
             return self._uses_master(p)
@@ -237,11 +250,12 @@ class FusedAmpAdamW(Optimizer):
         params = self._all_params()
         amsgrad = [p for g in self.param_groups if g["amsgrad"] for p in g["params"]]
         masters = [p for p in params if self._uses_master(p)]
-        flat = {"exp_avg": FlatBuffer(params, self._device), "exp_avg_sq": FlatBuffer(params, self._device)}
+        local = _dtensor.local_tensors  # [distributed] flat storage holds DTensor params' local shards
+        flat = {"exp_avg": FlatBuffer(local(params), self._device), "exp_avg_sq": FlatBuffer(local(params), self._device)}
         if amsgrad:
-            flat["max_exp_avg_sq"] = FlatBuffer(amsgrad, self._device)
+            flat["max_exp_avg_sq"] = FlatBuffer(local(amsgrad), self._device)
         if masters:
-            flat["master_param"] = FlatBuffer(masters, self._device)
+            flat["master_param"] = FlatBuffer(local(masters), self._device)
         steps = torch.zeros(len(params), dtype=torch.float32, device=self._device)
         index = {p: i for i, p in enumerate(params)}
         slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (("exp_avg", params), ("exp_avg_sq", params), ("max_exp_avg_sq", amsgrad), ("master_param", masters))}
@@ -253,13 +267,14 @@ class FusedAmpAdamW(Optimizer):
             for key in MOMENT_KEYS:
                 if key in state:
                     view = flat[key].views[slots[key][p]]
-                    view.copy_(state[key])
-                    state[key] = view
+                    view.copy_(_dtensor.local(state[key]))
+                    state[key] = _dtensor.like_param(view, p)
         self._state_flat, self._steps_flat, self._state_index, self._slots = flat, steps, index, slots
         self._plan = None  # the cached lists hold the old views
 
     def _view(self, key: str, p: Tensor) -> Tensor:
-        return self._state_flat[key].views[self._slots[key][p]]
+        """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
+        return _dtensor.like_param(self._state_flat[key].views[self._slots[key][p]], p)
 
     def _init_state(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
@@ -275,7 +290,8 @@ class FusedAmpAdamW(Optimizer):
             state["exp_avg"] = self._view("exp_avg", p).zero_()
             state["exp_avg_sq"] = self._view("exp_avg_sq", p).zero_()
             if self._uses_master(p):
-                state["master_param"] = self._view("master_param", p).copy_(p)
+                state["master_param"] = self._view("master_param", p)
+                _dtensor.local(state["master_param"]).copy_(_dtensor.local(p))
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._view("max_exp_avg_sq", p).zero_()
 
@@ -339,12 +355,17 @@ class FusedAmpAdamW(Optimizer):
         found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
         plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
         if not plan.params:
+            if getattr(self, "_zero_reducer", None) is not None:  # [distributed] an empty ZeRO partition still joins
+                self._zero_reducer.join(self._device)
             return loss
         hypers = plan.hypers()
+        lists = [plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs, plan.masters]
+        reduce_stats = getattr(self, "_zero_reducer", None)  # [distributed] ZeRO partition (absent after a copy)
+        if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
+            lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
-            self._get_backend(), plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs,
-            plan.steps, plan.masters, hypers,
-            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+            self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
         if found_inf_out is not None:
             found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
         return loss
@@ -357,8 +378,8 @@ class FusedAmpAdamW(Optimizer):
         from ._amp import unscale_and_check_
 
         work = self._grads_to_step()
-        if work:
-            unscale_and_check_([g for _, g, _ in work], inv_scale.to(self._device), found_inf)
+        if work:  # [distributed] local shards; the step all-reduces found_inf with the stats
+            unscale_and_check_(_dtensor.local_tensors([g for _, g, _ in work]), inv_scale.to(self._device), found_inf)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -400,6 +421,8 @@ class FusedAmpAdamW(Optimizer):
             if missing:
                 raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
             for name in MOMENT_KEYS:
+                if name in values:  # [distributed] sharded state must come as DTensors
+                    _dtensor.check_state(p, values[name], f"state {name!r} of parameter {key}")
                 if name in values and tuple(values[name].shape) != tuple(p.shape):
                     raise ValueError(
                         f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
@@ -421,7 +444,7 @@ class FusedAmpAdamW(Optimizer):
             state["step"].copy_(steps[key])
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if name in values and name in state:
-                    state[name].copy_(values[name])
+                    _dtensor.copy_state_(state[name], values[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -443,7 +466,8 @@ class _StepPlan:
         self.all_grads = [p.grad for p in self.all_params]
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
-        self.data_ptrs = [p.data_ptr() for p in self.params]
+        # a DTensor's data_ptr() is 0: its local shard's stands for it
+        self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         states = [state[p] for p in self.params]
         self.exp_avgs = [s["exp_avg"] for s in states]
         self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -462,7 +486,7 @@ class _StepPlan:
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
                 return False
-        if [p.data_ptr() for p in self.params] != self.data_ptrs:
+        if [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
             return False
         grads = [p.grad for p in self.all_params]
         if all(map(operator.is_, grads, self.all_grads)):

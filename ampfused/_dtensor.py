@@ -1,0 +1,181 @@
+"""DTensor (FSDP2) params: the passes run on local shards, the stats are summed over the mesh.
+
+[note: DTensor params] ``fully_shard`` replaces every param by a DTensor whose local tensor is this
+rank's shard (``Shard(0)``, uneven and possibly empty). The optimizer keeps its flat buffers in
+local shapes, hands the backends the local tensors (one launch per pass over all local shards, as
+for plain params), and exposes state as DTensors with the param's mesh and placements over those
+same local views (as ``torch.optim.AdamW``'s ``zeros_like(p)`` would), which is what
+``torch.distributed.checkpoint`` needs to save, load and reshard them.
+
+[note: global stats] The clip norm and the skip decision need the sum of squares over every
+shard of every rank: :func:`localize` returns a ``reduce_stats`` callback that ``run_step`` calls
+between the stats pass and the finish. It all-reduces (SUM) one small fp32 tensor — the 0-d sum of
+squares, plus the scaler's inf flag when there is one — over the process group of every sharded
+mesh dimension (one collective for FSDP2 and HSDP), with no host synchronization. An inf/NaN in
+any shard makes every rank's sum non-finite, so every rank takes the same skip decision.
+Replicated mesh dimensions (HSDP's replicas) are not summed: their grads are already identical.
+
+Nothing here imports ``torch.distributed.tensor`` unless a param is a DTensor.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+StatsReducer = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
+
+
+_DTENSOR: type | None = None
+
+
+def _dtensor_type():
+    # only a module that is already imported can have made a DTensor: no import cost otherwise
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return _DTENSOR
+
+
+def is_dtensor(t) -> bool:
+    cls = _DTENSOR or _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: Tensor | None) -> Tensor | None:
+    """The local shard of a DTensor (the tensor itself, aliasing its storage); anything else as is."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
+    cls = _DTENSOR or _dtensor_type()
+    if cls is None:
+        return list(ts)
+    return [t._local_tensor if isinstance(t, cls) else t for t in ts]
+
+
+def like_param(view: Tensor, p: Tensor) -> Tensor:
+    """``view`` (local, optimizer-owned) as state of ``p``: a DTensor over ``view`` when ``p`` is one."""
+    if not is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def check_state(p: Tensor, value: Tensor, what: str) -> None:
+    """Refuse, before any write, a state tensor that cannot be copied into ``p``'s state."""
+    if is_dtensor(p) and not is_dtensor(value):
+        raise ValueError(
+            f"{what} is a plain tensor but the parameter is a DTensor: load sharded optimizer state through "
+            "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (it distributes full state dicts)")
+    if is_dtensor(value) and not is_dtensor(p):
+        raise ValueError(f"{what} is a DTensor but the parameter is a plain tensor: the state dict belongs to a sharded model")
+
+
+def copy_state_(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for optimizer state, shard by shard when ``dst`` is a DTensor (see :func:`check_state`)."""
+    if is_dtensor(dst):
+        if src.device_mesh != dst.device_mesh or tuple(src.placements) != tuple(dst.placements):
+            src = src.redistribute(dst.device_mesh, dst.placements)
+        dst._local_tensor.copy_(src._local_tensor)
+    else:
+        dst.copy_(src)
+
+
+def check_params(params: Sequence[Tensor]) -> None:
+    """Refuse what the global stats cannot serve, before anything is built (see :func:`_plan`)."""
+    _plan(params)
+
+
+def localize(params: list[Tensor], grads: list[Tensor], *lists: list) -> tuple[list, StatsReducer | None]:
+    """Local shards of ``params``, ``grads`` and the state ``lists``; and the stats reducer.
+
+    Plain params come back unchanged with ``None`` for the reducer. Every DTensor grad must have
+    the placements of its param (a Partial grad's local sum of squares is not its shard's).
+    """
+    plan = _plan(params)
+    if plan is None:
+        return [params, grads, *lists], None
+    cls = _DTENSOR
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if not isinstance(g, cls) or g.placements != p.placements or (g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh):
+            placements = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
+            raise RuntimeError(
+                f"gradient {i} of a DTensor parameter with placements {tuple(p.placements)} is {placements}: "
+                "FusedAmpAdamW steps on local shards and needs each gradient sharded like its parameter")
+    out = [[p._local_tensor for p in params], [g._local_tensor for g in grads]]
+    out += [local_tensors(ts) for ts in lists]  # None entries pass through
+    return out, plan
+
+
+def _plan(params: Sequence[Tensor]) -> StatsReducer | None:
+    """None for plain params; for DTensors on one mesh, the reducer over their sharded dims."""
+    dtensors = [p for p in params if is_dtensor(p)]
+    if not dtensors:
+        return None
+    if len(dtensors) != len(params):
+        raise ValueError(
+            f"{len(dtensors)} of {len(params)} parameters are DTensors and the others plain tensors: FusedAmpAdamW computes "
+            "one global gradient norm per optimizer and cannot tell whether a plain tensor's gradient is replicated or "
+            "local; shard every parameter (fully_shard the root module too) or use one optimizer per kind")
+    mesh = dtensors[0].device_mesh
+    sharded = _sharded_dims(dtensors[0])
+    placements = dtensors[0].placements
+    for p in dtensors[1:]:
+        if p.device_mesh is mesh and p.placements == placements:  # the common case, FSDP2: one mesh, Shard(0)
+            continue
+        if p.device_mesh != mesh or _sharded_dims(p) != sharded:
+            raise ValueError(
+                f"DTensor parameters on different meshes or sharded over different mesh dimensions ({mesh} "
+                f"{dtensors[0].placements} and {p.device_mesh} {p.placements}): the sum of squares would be "
+                "reduced over different groups; use one FusedAmpAdamW per mesh/placement kind")
+    if not sharded:
+        return None  # replicated everywhere: every rank already has the whole gradient
+    return _MeshReducer([mesh.get_group(d) for d in sharded])
+
+
+def _sharded_dims(p: Tensor) -> tuple[int, ...]:
+    dims = []
+    for d, placement in enumerate(p.placements):
+        if placement.is_shard():
+            dims.append(d)
+        elif not placement.is_replicate():
+            raise ValueError(f"DTensor parameter with placement {placement} on mesh dim {d}: only Shard and Replicate params are supported")
+    return tuple(dims)
+
+
+class _MeshReducer:
+    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim.
+
+    Always two fp32 elements, whatever the caller's ``found_inf`` (tensor, number or None), so a
+    rank with nothing to step can join with zeros (:meth:`join`).
+    """
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+        if isinstance(found_inf, Tensor):
+            flag = found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()
+        else:  # a number from the host (or None): no device read
+            flag = torch.full((), float(bool(found_inf)), dtype=torch.float32, device=sumsq.device)
+        packed = torch.stack([sumsq.reshape(()), flag])
+        self._all_reduce(packed)
+        return packed[0], packed[1]
+
+    def join(self, device: torch.device | None) -> None:
+        """Take part in the collective with zeros (a rank whose optimizer has no gradient this step)."""
+        import torch.distributed as dist
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.groups[0]) == "nccl" else torch.device("cpu")
+        self._all_reduce(torch.zeros(2, dtype=torch.float32, device=device))
+
+    def _all_reduce(self, packed: Tensor) -> None:
+        import torch.distributed as dist
+
+        for group in self.groups:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)

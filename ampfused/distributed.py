@@ -1,0 +1,187 @@
+"""DistributedDataParallel for fp16/bf16 params whose gradients FusedAmpAdamW accumulates in fp32.
+
+[note: why DDP cannot reduce them] DDP's reducer builds its buckets in the *param* dtype and checks
+every gradient against them (``Expected BFloat16, got Float``), before any comm hook runs; a comm
+hook sees only the bf16 bucket. So an fp32 gradient of a bf16 param can be all-reduced by DDP only
+through its private ``mixed_precision`` mode. :func:`data_parallel` instead builds a stock
+:class:`torch.nn.parallel.DistributedDataParallel` that leaves those params out (DDP's own
+``_set_params_and_buffers_to_ignore_for_model``, the mechanism torchrec and FSDP use) and
+all-reduces their fp32 flat storage (``p.main_grad``, which ``p.grad`` is) itself, as one
+collective at the end of every backward that DDP would sync (not under ``no_sync()``). Everything
+else — fp32 params, buffers, ``no_sync``, ``gradient_as_bucket_view``, ``static_graph`` — is DDP's.
+
+Wire format: the fp32 gradients travel in fp32, 4 B per param (plus at most 124 B of alignment
+padding per param), one all-reduce of the whole flat buffer per synced backward; a stock DDP over
+bf16 params with ``fp32_grad_accumulation=False`` sends 2 B per param in bf16. Measure with
+``python benchmarks/ddp_wire_bytes.py``.
+
+The reduction is ``SUM`` then ``/ world_size`` in fp32 (DDP's average). A param that got no gradient
+on this rank in the synced backward contributes zeros, and ends with a gradient (zeros where it was
+unused on every rank), like DDP's ``find_unused_parameters=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch import Tensor
+
+from ._dtensor import _MeshReducer
+
+__all__ = ["data_parallel"]
+
+
+def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel(module, **ddp_kwargs)`` for a ``FusedAmpAdamW`` with fp32-accumulated params.
+
+    Build the optimizer on ``module.parameters()`` first, then wrap::
+
+        opt = ampfused.FusedAmpAdamW(model.parameters(), lr=3e-4, max_grad_norm=1.0)
+        model = ampfused.distributed.data_parallel(model, opt, device_ids=[rank])
+
+    The fp16/bf16 params whose gradients ``optimizer`` accumulates in fp32 are all-reduced in fp32
+    by this wrapper (see the module note); every other param is DDP's as usual. ``ddp_kwargs`` go
+    to DDP unchanged. The reduction is bound to this optimizer's gradient storage: train with this
+    optimizer (a newer FusedAmpAdamW over the same params needs a new wrapper).
+    """
+    from .optim import FusedAmpAdamW
+
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("data_parallel() takes the bare module: it builds the DistributedDataParallel itself")
+    if not isinstance(optimizer, FusedAmpAdamW):
+        raise TypeError(f"data_parallel() needs the FusedAmpAdamW over the module's params, got {type(optimizer).__name__}")
+    main_grads = optimizer._main_grads
+    ours = {id(p) for p in main_grads.params}
+    names = [name for name, p in module.named_parameters() if id(p) in ours]
+    if len(names) != len(ours):
+        raise ValueError(
+            f"{len(ours) - len(names)} params whose gradients the optimizer accumulates in fp32 are not params of this "
+            "module: build the optimizer on module.parameters() (and wrap the same module)")
+    left = [p for n, p in module.named_parameters() if p.requires_grad and n not in set(names)]
+    if names and not left:
+        # DDP refuses a module with nothing left for its reducer: the same surface, without a reducer
+        ddp = _Fp32DataParallel(module, **ddp_kwargs)
+    else:
+        if names:
+            already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, already + names)
+        ddp = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
+    if names:
+        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"))
+    return ddp
+
+
+# DDP arguments that only tune its reducer's buckets and graph bookkeeping: meaningless without one
+_REDUCER_ONLY = {"device_ids", "output_device", "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view",
+                 "static_graph", "check_reduction", "dim"}
+
+
+class _Fp32DataParallel(torch.nn.Module):
+    """What ``data_parallel`` returns when every trainable param is fp32-accumulated (DDP would refuse
+    the module): ``.module``, ``forward``, ``no_sync()``, ``require_backward_grad_sync``, the state
+    dict keys of DDP (``module.``-prefixed), rank 0's params and buffers at construction, and its
+    buffers before every forward (``broadcast_buffers``, DDP's default)."""
+
+    def __init__(self, module, process_group=None, broadcast_buffers=True, **kwargs):
+        import torch.distributed as dist
+
+        unknown = set(kwargs) - _REDUCER_ONLY
+        if unknown:
+            raise TypeError(f"data_parallel() got DistributedDataParallel arguments it cannot honour here: {sorted(unknown)}")
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, self._src, group=process_group)
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, self._src, group=self.process_group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
+class _Fp32Reducer:
+    """All-reduces the optimizer's flat fp32 gradients once at the end of each synced backward."""
+
+    def __init__(self, ddp, main_grads, group):
+        self.main_grads = main_grads
+        self.group = group
+        self.ddp = ddp
+        self.sync = False  # latched at forward, as DDP decides at forward whether the backward syncs
+        self.queued = False
+        ddp.register_forward_pre_hook(self._latch)
+        for p in main_grads.params:  # after the optimizer's own hook: p.grad is main_grad by then
+            p.register_post_accumulate_grad_hook(self._queue)
+        ddp._ampfused_fp32_reducer = self  # lives as long as the DDP module
+
+    def _latch(self, ddp, args) -> None:
+        self.sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+
+    def _queue(self, p: Tensor) -> None:
+        if self.sync and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        import torch.distributed as dist
+
+        self.queued = False
+        self.sync = False
+        flat = self.main_grads.flat
+        for p, view in zip(self.main_grads.params, flat.views):
+            if p.grad is not view:  # no gradient here this backward: contribute zeros (same bytes on every rank)
+                view.zero_()
+                p.grad = view
+        world = dist.get_world_size(self.group)
+        dist.all_reduce(flat.data, op=dist.ReduceOp.SUM, group=self.group)
+        flat.data.div_(world)
+
+
+# ---------------------------------------------------------------- ZeroRedundancyOptimizer
+
+def zero_stats_reducer(max_frames: int = 4):
+    """A :class:`GroupReducer` over the group of the ZeroRedundancyOptimizer constructing the caller, or None.
+
+    [note: ZeRO] ``ZeroRedundancyOptimizer(params, optimizer_class=FusedAmpAdamW)`` builds one
+    FusedAmpAdamW per rank over that rank's partition, with the user's keyword arguments. The
+    clip norm and the skip decision must cover every partition, so such an optimizer all-reduces
+    its sum of squares over ZeRO's group (the partitions are disjoint: the sum is the global one).
+    ZeRO passes nothing that says so; its frame on the stack does.
+    """
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if module is None:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, module.ZeroRedundancyOptimizer):
+            return GroupReducer(candidate.process_group)
+        frame = frame.f_back
+    return None
+
+
+class GroupReducer(_MeshReducer):
+    """``reduce_stats`` over one process group (ZeRO's partitions): SUM of the sum of squares and the inf flag."""
+
+    def __init__(self, group):
+        super().__init__([group])
