@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from . import _backends, _dtensor, reference
+from . import _backends, _dtensor
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 # Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
@@ -122,6 +122,8 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
-        reference.finish_(stats, grad_scale, None, max_grad_norm)
+        from .reference import finish_  # the finish's spec (reference imports this module's slot names)
+
+        finish_(stats, grad_scale, None, max_grad_norm)
     backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats)
     return stats[NORM], stats[SKIP]
