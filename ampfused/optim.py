@@ -131,6 +131,7 @@ class FusedAmpAdamW(Optimizer):
         self._state_index: dict[Tensor, int] = {}
         self._main_grads = _main_grad.MainGrads(self)
         self._plan: _StepPlan | None = None  # the last step's tensor lists (see _StepPlan)
+        self._skipped: Tensor | None = None
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
 
     def __getstate__(self) -> dict:
@@ -352,7 +353,7 @@ class FusedAmpAdamW(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        found_inf_out = getattr(self, "_ampfused_found_inf_out", None)
+        self._skipped = None  # the skip flag of this step, a device scalar (read by ampfused.GradScaler)
         plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
         if not plan.params:
             if getattr(self, "_zero_reducer", None) is not None:  # [distributed] an empty ZeRO partition still joins
@@ -366,8 +367,7 @@ class FusedAmpAdamW(Optimizer):
         self.grad_norm, skipped = functional.run_step(
             self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
-        if found_inf_out is not None:
-            found_inf_out.copy_(skipped.reshape(found_inf_out.shape))
+        self._skipped = skipped
         return loss
 
     # ---------------------------------------------------------------- GradScaler support

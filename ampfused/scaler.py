@@ -157,16 +157,18 @@ class GradScaler(torch.amp.GradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         unscaled = optimizer_state["stage"] is OptState.UNSCALED
-        found_inf_out = torch.zeros((), dtype=torch.float32, device=scale.device)
         optimizer.grad_scale = None if unscaled else scale
         optimizer.found_inf = sum(optimizer_state["found_inf_per_device"].values()) if unscaled else None
-        optimizer._ampfused_found_inf_out = found_inf_out
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale, optimizer.found_inf, optimizer._ampfused_found_inf_out
-        # The optimizer's flag includes any overflow unscale_ found, so it replaces those entries.
-        optimizer_state["found_inf_per_device"] = {found_inf_out.device: found_inf_out}
+            del optimizer.grad_scale, optimizer.found_inf
+        # The optimizer's flag (a view of its stats, no launch) includes any overflow unscale_ found,
+        # so it replaces those entries; a step with no gradients skipped nothing.
+        skipped = optimizer._skipped
+        if skipped is None:
+            skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
+        optimizer_state["found_inf_per_device"] = {skipped.device: skipped}
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
