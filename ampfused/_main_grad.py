@@ -17,6 +17,7 @@ a separate kernel before adding: 18 B/param.)
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -47,6 +48,8 @@ class MainGrads:
         self.flat: FlatBuffer | None = None
         self.params: list[Tensor] = []
         self.hooks: list = []  # (param, handle, grad_dtype before we changed it)
+        self.reducer = None  # what all-reduces the flat storage in a multi-process run (ampfused.distributed)
+        self.warned = False
         # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
         weakref.finalize(owner, _release, self.hooks, self.owner_ref)
 
@@ -94,9 +97,27 @@ def _adopt_hook(owner_ref):
         # the common path (micro-batch 2..N: autograd added into main_grad itself) is one identity test
         grad = p.grad
         if grad is not None and grad is not getattr(p, "main_grad", None) and OWNERS.get(p) is owner_ref:
+            owner = owner_ref()
+            if owner is not None and owner._main_grads.reducer is None and not owner._main_grads.warned and _multi_process():
+                # a warning, not an error: a per-rank optimizer that is not meant to be reduced is legitimate
+                owner._main_grads.warned = True
+                warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
             adopt(p)
 
     return hook
+
+
+UNREDUCED_MESSAGE = (
+    "FusedAmpAdamW accumulates fp16/bf16 gradients in fp32, and in this multi-process run nothing of ampfused "
+    "all-reduces them. If the model is wrapped in DistributedDataParallel, its buckets have the param dtype and reject an fp32 gradient "
+    "('Expected BFloat16, got Float'). Wrap the model with ampfused.distributed.data_parallel(model, opt) instead of "
+    "DistributedDataParallel(model) (it all-reduces the fp32 gradients, 4 B/param), or build the optimizer with "
+    "fp32_grad_accumulation=False (DDP reduces the fp16/bf16 gradients, 2 B/param)")
+
+
+def _multi_process() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _release(hooks: list, owner_ref) -> None:

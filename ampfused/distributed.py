@@ -130,6 +130,7 @@ class _Fp32Reducer:
         for p in main_grads.params:  # after the optimizer's own hook: p.grad is main_grad by then
             p.register_post_accumulate_grad_hook(self._queue)
         ddp._ampfused_fp32_reducer = self  # lives as long as the DDP module
+        main_grads.reducer = self  # the optimizer's hooks now know the fp32 gradients get all-reduced
 
     def _latch(self, ddp, args) -> None:
         self.sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync

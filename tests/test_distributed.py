@@ -165,6 +165,10 @@ def check_refusals():
         ampfused.distributed.data_parallel(DDP(make_model()), opt)
     with pytest.raises(ValueError, match="not params of this module"):
         ampfused.distributed.data_parallel(make_model(torch.bfloat16), opt)
+    # the plain DDP(model) a tutorial writes: DDP's dtype mismatch comes with a warning that says what to do
+    plain = DDP(model)
+    with pytest.warns(UserWarning, match="ampfused.distributed.data_parallel"), pytest.raises(RuntimeError, match="Expected"):
+        plain(micro_batch(0, dist.get_rank())[0].to(torch.bfloat16)).float().sum().backward()
 
 
 def _worker(rank, world, skip=()):
