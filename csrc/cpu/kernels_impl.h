@@ -33,7 +33,10 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
 }
 
 // [note: non-finite lanes] `d += u - u` is 0 for every finite u and NaN from the first inf/NaN on,
-// so the flag costs one subtract and add per element and vectorizes with the sum of squares.
+// so the flag costs one subtract and add per element. It runs as a second loop over the block
+// (8 KB for fp32, still in L1): fused into the sum-of-squares loop, GCC 12 vectorizes the pair of
+// lane arrays with a transpose per vector and the pass ran 4.5x slower (4.5 vs 1.0 ms per 4M fp32
+// elements on AVX-512).
 template <typename G>
 SumSq sumsq_t(const G* __restrict g, int64_t n, float inv) {
   constexpr int kLanes = 16;
@@ -48,6 +51,11 @@ SumSq sumsq_t(const G* __restrict g, int64_t n, float inv) {
       for (int k = 0; k < kLanes; ++k) {
         const float u = to_float(g[i + j + k]) * inv;
         acc[k] += u * u;
+      }
+    }
+    for (int64_t j = 0; j < kBlock; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float u = to_float(g[i + j + k]) * inv;
         d[k] += u - u;
       }
     }
