@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ._flat import is_dense as dense
+
 OPS = ("accumulate", "grad_stats", "adamw_update", "scaler_update")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLAG_AMSGRAD, FLAG_MAXIMIZE = 1, 2  # as csrc/ops_common.h
@@ -92,18 +94,6 @@ def get_backend(device_type: str):
     if device_type == "cuda" and not torch.cuda.is_available():
         return None, "no CUDA device"
     return CompiledBackend(device_type, module), ""
-
-
-def dense(t: Tensor) -> bool:
-    """No gaps and no overlap: the elements fill ``numel`` consecutive slots from ``data_ptr()``."""
-    if t.is_contiguous():
-        return True
-    expected = 1  # strides, smallest first, must be the running products of the sizes
-    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def same_flat_layout(t: Tensor, like: Tensor) -> bool:
