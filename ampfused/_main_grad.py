@@ -69,7 +69,7 @@ class MainGrads:
             if not self.owns(p):
                 before = p.dtype if p in OWNERS else p.grad_dtype
                 p.grad_dtype = None  # p.grad may now be fp32 (see the module note)
-                self.hooks.append((p, p.register_post_accumulate_grad_hook(_adopt_hook(self.owner_ref)), before))
+                self.hooks.append((p, p.register_post_accumulate_grad_hook(_adopt_hook(self)), before))
             grad = p.grad
             if grad is not None and not grad.is_sparse and grad.shape == p.shape and grad.device == p.device:
                 view.copy_(grad)
@@ -92,15 +92,16 @@ def adopt(p: Tensor) -> None:
     p.grad = main
 
 
-def _adopt_hook(owner_ref):
+def _adopt_hook(grads: MainGrads):
+    # [note: hook references] the hook holds the MainGrads, which holds its optimizer only weakly: the
+    # optimizer can die, and its finalizer removes the hooks (and so the flat storage with them).
     def hook(p: Tensor) -> None:
         # the common path (micro-batch 2..N: autograd added into main_grad itself) is one identity test
         grad = p.grad
-        if grad is not None and grad is not getattr(p, "main_grad", None) and OWNERS.get(p) is owner_ref:
-            owner = owner_ref()
-            if owner is not None and owner._main_grads.reducer is None and not owner._main_grads.warned and _multi_process():
+        if grad is not None and grad is not getattr(p, "main_grad", None) and OWNERS.get(p) is grads.owner_ref:
+            if grads.reducer is None and not grads.warned and _multi_process():
                 # a warning, not an error: a per-rank optimizer that is not meant to be reduced is legitimate
-                owner._main_grads.warned = True
+                grads.warned = True
                 warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
             adopt(p)
 

@@ -131,6 +131,7 @@ class FusedAmpAdamW(Optimizer):
         self._main_grads = _main_grad.MainGrads(self)
         self._plan: StepPlan | None = None  # the last step's tensor lists (see _plan.py)
         self._skipped: Tensor | None = None
+        self._zero_reducer = None  # a ZeroRedundancyOptimizer partition's stats reducer (set in __init__, not copied)
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
 
     def __getstate__(self) -> dict:
@@ -355,12 +356,12 @@ class FusedAmpAdamW(Optimizer):
         self._skipped = None  # the skip flag of this step, a device scalar (read by ampfused.GradScaler)
         plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
         if not plan.params:
-            if getattr(self, "_zero_reducer", None) is not None:  # [distributed] an empty ZeRO partition still joins
+            if self._zero_reducer is not None:  # [distributed] an empty ZeRO partition still joins
                 self._zero_reducer.join(self._device)
             return loss
         hypers = plan.hypers()
         lists = [plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs, plan.masters]
-        reduce_stats = getattr(self, "_zero_reducer", None)  # [distributed] ZeRO partition (absent after a copy)
+        reduce_stats = self._zero_reducer  # [distributed] a ZeRO partition's stats cover every partition
         if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
             lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
