@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 
+from ampfused import _compiled
 from ampfused.benchmarks import configs, measure, report, summary
+
+HAVE_COMPILED = _compiled.load()[0] is not None
 
 
 def run(args, cwd, timeout=300):
@@ -221,3 +224,33 @@ def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
     with pytest.raises(SystemExit) as exit_info:  # a folder without a run is an argument error, not a traceback
         summary.main(["--train", str(tmp_path / "missing"), "--readme", str(readme)])
     assert exit_info.value.code == 2
+
+
+def test_plain_step_benchmark_checks_results_before_it_reports(capsys):
+    from ampfused.benchmarks import plain_step
+
+    plain_step.main(total=20_000, rounds=2)
+    out = capsys.readouterr().out
+    assert "1 thread(s)" in out and "2 thread(s)" in out and "torch" in out and "ampfused" in out
+
+
+def test_plain_step_gate_rejects_a_diverging_optimizer():
+    from ampfused.benchmarks import plain_step
+
+    sizes = [100, 30]
+    ref, other = plain_step._optimizer("torch", sizes, None), plain_step._optimizer("torch", sizes, None)
+    for opt in (ref, other):
+        opt.step()
+    with torch.no_grad():
+        other.param_groups[0]["params"][1][3] += 1e-3
+    with pytest.raises(AssertionError, match="params differ"):
+        plain_step._check_same(ref, other, "broken")
+
+
+@pytest.mark.skipif(not HAVE_COMPILED, reason="needs the compiled cpu backend (ampfused._C)")
+def test_grad_stats_placement_benchmark_runs_and_agrees(capsys):
+    from ampfused.benchmarks import grad_stats_placement
+
+    grad_stats_placement.main(total=20_000, rounds=2)
+    out = capsys.readouterr().out
+    assert out.count("as the pass in step()") == 2
