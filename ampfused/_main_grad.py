@@ -14,6 +14,12 @@ there is no state machine: what ``p.grad`` holds is the gradient, as for an fp32
 
 (``p.grad_dtype = torch.float32`` would look simpler, but then AccumulateGrad casts ``g`` to fp32 in
 a separate kernel before adding: 18 B/param.)
+
+[note: CPU accumulation] On a CPU, torch's mixed-dtype ``p.grad += g`` is ~3.5x slower than our
+fused cast-and-add, so CPU params also get a C++ pre-hook on their AccumulateGrad node
+(``csrc/accumulate_hook.cpp``) that does micro-batches 2..N with ``ampfused::accumulate``: no
+Python per param either, and the same fp32 sum. We hold the node, or the next forward would build
+a new one without the hook.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _compiled
 from ._flat import FlatBuffer, check_grad
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
@@ -48,10 +55,11 @@ class MainGrads:
         self.flat: FlatBuffer | None = None
         self.params: list[Tensor] = []
         self.hooks: list = []  # (param, handle, grad_dtype before we changed it)
+        self.cpu_accumulators: dict = {}  # param -> (its AccumulateGrad node, the main_grad its C++ hook adds into)
         self.reducer = None  # what all-reduces the flat storage in a multi-process run (ampfused.distributed)
         self.warned = False
         # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
-        weakref.finalize(owner, _release, self.hooks, self.owner_ref)
+        weakref.finalize(owner, _release, self.hooks, self.cpu_accumulators, self.owner_ref)
 
     def owns(self, p: Tensor) -> bool:
         return OWNERS.get(p) is self.owner_ref
@@ -76,6 +84,17 @@ class MainGrads:
                 p.grad = view
             p.main_grad = view
             OWNERS[p] = self.owner_ref
+            if device.type == "cpu" and _compiled.load()[0] is not None:
+                self._hook_cpu_accumulation(p, view)
+
+    def _hook_cpu_accumulation(self, p: Tensor, view: Tensor) -> None:
+        """(Re)point the C++ accumulation hook of ``p`` at ``view`` (see the module note)."""
+        old = self.cpu_accumulators.pop(p, None)
+        if old is not None:
+            torch.ops.ampfused._unhook_accumulation(p, old[1])
+        node = torch.autograd.graph.get_gradient_edge(p).node  # held first: the op hooks the live node
+        torch.ops.ampfused._hook_accumulation(p, view)
+        self.cpu_accumulators[p] = (node, view)
 
     def relayout_if_strides_changed(self) -> None:
         """A param whose memory format changed after construction (``model.to(memory_format=...)``) gets matching views."""
@@ -121,8 +140,11 @@ def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _release(hooks: list, owner_ref) -> None:
+def _release(hooks: list, cpu_accumulators: dict, owner_ref) -> None:
     """Finalizer: remove the hooks, and main_grad and grad_dtype where no newer optimizer owns the param."""
+    for p, (_, view) in cpu_accumulators.items():
+        torch.ops.ampfused._unhook_accumulation(p, view)
+    cpu_accumulators.clear()
     for p, handle, grad_dtype in hooks:
         handle.remove()
         if OWNERS.get(p) is owner_ref:

@@ -31,6 +31,7 @@ ROOT = os.path.dirname(CSRC)
 CPU_SOURCES = [
     "ops.cpp",
     "ops_common.cpp",
+    "accumulate_hook.cpp",
     "cpu/ops_cpu.cpp",
     "cpu/kernels_base.cpp",
     "cpu/kernels_avx2.cpp",

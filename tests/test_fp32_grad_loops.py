@@ -5,6 +5,7 @@ model, each micro-batch's gradients summed in fp32 into fp32 master copies, the 
 and ``torch.optim.AdamW`` on the masters, and the masters rounded back into the model.
 """
 import copy
+import gc
 import io
 import math
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import ampfused
+from ampfused import _compiled
 from helpers import tol
 
 LR = 1e-2
@@ -170,7 +172,8 @@ def test_hooks_and_logging_see_the_fp32_gradient(backend, device):
         p.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.dtype, p.grad is p.main_grad)))
     for k in range(2):
         loss_of(model, micro_batch(k, torch.bfloat16, device)).backward()
-    assert seen and all(s == (torch.float32, True) for s in seen)
+    assert len(seen) == 2 * len(list(model.parameters())), "a user's hook runs on every micro-batch"
+    assert all(s == (torch.float32, True) for s in seen)
     grad_norms = {name: p.grad.norm().item() for name, p in model.named_parameters()}
     assert all(v > 0 for v in grad_norms.values())
     opt.step()
@@ -188,15 +191,62 @@ def test_at_most_one_low_precision_gradient_alive_and_no_zeroing_pass(device):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             sum((p * x).sum() for p in params).backward()
         top = [e for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-        return [e.name for e in top if e.name.startswith("aten::")]
+        return [e.name for e in top if e.name.startswith(("aten::", "ampfused::"))]
 
     first = ops_of_one_backward()  # p.grad is None: the hook writes the bf16 grad into main_grad
     assert first.count("aten::copy_") == len(params) and "aten::add_" not in first
     assert not {"aten::zero_", "aten::fill_", "aten::zeros"} & set(first), "no zeroing pass"
-    second = ops_of_one_backward()  # autograd adds into the fp32 p.grad in place; the hook does nothing
-    assert second.count("aten::add_") == len(params) and "aten::copy_" not in second
+    # micro-batch 2: an in-place add into the fp32 p.grad, the post-accumulate hook does nothing. On a
+    # CPU it is our C++ pre-hook's fused cast-and-add (csrc/accumulate_hook.cpp), else autograd's add_.
+    second = ops_of_one_backward()
+    cpu_hook = torch.device(device).type == "cpu" and _compiled.load()[0] is not None
+    adder, not_run = ("ampfused::accumulate", "aten::add_") if cpu_hook else ("aten::add_", "ampfused::accumulate")
+    assert second.count(adder) == len(params) and not_run not in second and "aten::copy_" not in second
     assert all(p.grad is p.main_grad for p in params)
     opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_user_tensor_hooks_and_create_graph_feed_the_fp32_sum(device):
+    """A user's p.register_hook runs before the fp32 accumulation sees g; create_graph still accumulates."""
+    model, oracle = model_of(torch.bfloat16, device), model_of(torch.bfloat16, device)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR)  # noqa: F841 (alive: it owns the fp32 grads)
+    for p in list(model.parameters()) + list(oracle.parameters()):
+        p.register_hook(lambda g: g * 2)
+    sums = [torch.zeros(p.shape, device=device) for p in oracle.parameters()]
+    for k in range(3):
+        x = micro_batch(k, torch.bfloat16, device)
+        loss_of(model, x).backward(create_graph=(k == 2))
+        loss_of(oracle, x).backward()
+        for total, p in zip(sums, oracle.parameters()):
+            total += p.grad.float()
+            p.grad = None
+    for total, p in zip(sums, model.parameters()):
+        assert p.grad is p.main_grad and torch.equal(p.grad.detach(), total)
+
+
+def _adders_of_one_backward(params, x):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sum((p * x).sum() for p in params).backward()
+    return [e.name for e in prof.events() if e.name in ("aten::add_", "ampfused::accumulate")]
+
+
+@pytest.mark.skipif(_compiled.load()[0] is None, reason="the CPU accumulation hook is part of ampfused._C")
+def test_cpu_accumulation_hook_follows_relayouts_and_leaves_with_the_optimizer():
+    params = [torch.nn.Parameter(torch.randn(32).to(torch.bfloat16)) for _ in range(3)]
+    x = torch.randn(32).to(torch.bfloat16)
+    opt = ampfused.FusedAmpAdamW(params[:2], lr=LR)
+    _adders_of_one_backward(params[:2], x)
+    opt.add_param_group({"params": params[2:]})  # a re-layout: every param gets a new main_grad view
+    assert _adders_of_one_backward(params, x) == ["ampfused::accumulate"] * 2  # p2's first: a copy
+    assert _adders_of_one_backward(params, x) == ["ampfused::accumulate"] * 3
+    expected = [3 * x.float(), 3 * x.float(), 2 * x.float()]
+    assert all(p.grad is p.main_grad and torch.equal(p.grad, e) for p, e in zip(params, expected))
+    del opt
+    gc.collect()
+    assert _adders_of_one_backward(params, x) == ["aten::add_"] * 3  # the hooks left with the optimizer
 
 
 def test_channels_last_params_train_like_torch(backend, device):
