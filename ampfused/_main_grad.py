@@ -50,8 +50,10 @@ class MainGrads:
     ``torch.save(model)`` pickles param attributes, and a weak reference does not pickle.
     """
 
-    def __init__(self, owner: object):
+    def __init__(self, owner: object, relayout):
         self.owner_ref = weakref.ref(owner)
+        self.relayout = weakref.WeakMethod(relayout)  # the owner's: lays out every param that now needs a main_grad
+        self.watched: set[int] = set()  # ids of params hooked while frozen (see watch)
         self.flat: FlatBuffer | None = None
         self.params: list[Tensor] = []
         self.hooks: list = []  # (param, handle, grad_dtype before we changed it)
@@ -77,7 +79,8 @@ class MainGrads:
             if not self.owns(p):
                 before = p.dtype if p in OWNERS else p.grad_dtype
                 p.grad_dtype = None  # p.grad may now be fp32 (see the module note)
-                self.hooks.append((p, p.register_post_accumulate_grad_hook(_adopt_hook(self)), before))
+                if id(p) not in self.watched:
+                    self.hooks.append((p, p.register_post_accumulate_grad_hook(_adopt_hook(self)), before))
             grad = p.grad
             if grad is not None and not grad.is_sparse and grad.shape == p.shape and grad.device == p.device:
                 view.copy_(grad)
@@ -95,6 +98,21 @@ class MainGrads:
         node = torch.autograd.graph.get_gradient_edge(p).node  # held first: the op hooks the live node
         torch.ops.ampfused._hook_accumulation(p, view)
         self.cpu_accumulators[p] = (node, view)
+
+    def watch(self, frozen: list[Tensor]) -> None:
+        """Hook frozen params too, without storage: one unfrozen later (``requires_grad_(True)``) is laid
+        out by its hook at its first gradient, so its next micro-batches accumulate in fp32 (gradual
+        unfreezing). A hook can only be registered while the param requires grad, and it stays."""
+        for p in frozen:
+            if id(p) in self.watched or self.owns(p):
+                continue
+            p.requires_grad_(True)
+            try:
+                handle = p.register_post_accumulate_grad_hook(_adopt_hook(self))
+            finally:
+                p.requires_grad_(False)
+            self.hooks.append((p, handle, p.grad_dtype))
+            self.watched.add(id(p))
 
     def relayout_if_strides_changed(self) -> None:
         """A param whose memory format changed after construction (``model.to(memory_format=...)``) gets matching views."""
@@ -123,6 +141,10 @@ def _adopt_hook(grads: MainGrads):
                 grads.warned = True
                 warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
             adopt(p)
+        elif grad is not None and id(p) in grads.watched and p not in OWNERS:  # frozen at layout, trainable now
+            relayout = grads.relayout()
+            if relayout is not None:
+                relayout()  # lays p out and moves this first gradient into its main_grad
 
     return hook
 

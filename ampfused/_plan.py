@@ -17,7 +17,8 @@ class StepPlan:
     training loop steps the same params with the same grad tensors every step (fp32 ``p.grad`` that
     autograd accumulates into in place, or our fp32 ``main_grad``), so a step only re-reads
     ``p.grad`` and ``p.data_ptr()`` of every param and compares identities. Anything else -- a new
-    grad tensor, a ``p.data`` swap, a changed ``amsgrad``, an edited params list -- rebuilds the plan
+    grad tensor, a ``p.data`` swap, a changed ``amsgrad``, an edited params list, a reset ``opt.state``
+    -- rebuilds the plan
     through the validating path. Hyperparameters are read per group at every step.
     """
 
@@ -29,7 +30,8 @@ class StepPlan:
         self.grads = [grad for _, grad, _ in work]
         # a DTensor's data_ptr() is 0: its local shard's stands for it
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
-        states = [state[p] for p in self.params]
+        self.state = state
+        self.states = states = [state[p] for p in self.params]
         self.exp_avgs = [s["exp_avg"] for s in states]
         self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         self.max_exp_avg_sqs = [s.get("max_exp_avg_sq") if g["amsgrad"] else None for s, (_, _, g) in zip(states, work)]
@@ -40,9 +42,12 @@ class StepPlan:
             counts[id(g)] = counts.get(id(g), 0) + 1
         self.counts = [(g, counts.get(id(g), 0)) for g in param_groups]
 
-    def still_valid(self, param_groups) -> bool:
+    def still_valid(self, param_groups, state) -> bool:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
         if len(param_groups) != len(self.groups):
+            return False
+        # opt.state emptied, replaced or a param's entry deleted (a reset of Adam): lazy state again
+        if state is not self.state or not all(map(operator.is_, map(state.get, self.params), self.states)):
             return False
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
@@ -65,7 +70,7 @@ class StepPlan:
         hypers = []
         for group, n in self.counts:
             if n:
-                beta1, beta2 = group["betas"]
+                beta1, beta2 = (float(b) for b in group["betas"])  # tensor betas, as torch takes them
                 hypers += [functional.Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                             group["amsgrad"], group["maximize"])] * n
         return hypers

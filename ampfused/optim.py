@@ -35,8 +35,10 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
-        if isinstance(beta, Tensor):
-            raise ValueError(f"betas[{i}] must be a float: tensor betas are not supported")
+        if isinstance(beta, Tensor):  # as torch: a 1-element tensor, read as a float at each step
+            if beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
+            beta = beta.item()
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i} (betas[{i}]): {beta}")
     if not 0.0 <= weight_decay:
@@ -128,9 +130,10 @@ class FusedAmpAdamW(Optimizer):
         self._param_dtypes: dict[Tensor, torch.dtype] = {}
         self._state_flat: dict[str, FlatBuffer] | None = None  # built at the first step
         self._state_index: dict[Tensor, int] = {}
-        self._main_grads = _main_grad.MainGrads(self)
+        self._main_grads = _main_grad.MainGrads(self, self._setup_main_grads)
         self._plan: StepPlan | None = None  # the last step's tensor lists (see _plan.py)
         self._skipped: Tensor | None = None
+        self._masters_pending: list[Tensor] = []  # loaded without master_param: copied from p at the next step
         self._zero_reducer = None  # a ZeroRedundancyOptimizer partition's stats reducer (set in __init__, not copied)
         self._params_registered = False  # main_grad storage is laid out once, after the initial groups
 
@@ -229,10 +232,11 @@ class FusedAmpAdamW(Optimizer):
 
     def _setup_main_grads(self) -> None:
         """(Re)build the flat fp32 gradient storage and hook every param that needs it (``_main_grad``)."""
-        wanted = [p for p in self._all_params() if self._uses_main_grad(p) and p.requires_grad]  # frozen: no hook
-        if wanted and not _main_grad.SUPPORTED:
+        candidates = [p for p in self._all_params() if self._uses_main_grad(p)]
+        if candidates and not _main_grad.SUPPORTED:
             raise RuntimeError(_main_grad.UNSUPPORTED_MESSAGE)
-        self._main_grads.setup(wanted, self._device)
+        self._main_grads.setup([p for p in candidates if p.requires_grad], self._device)
+        self._main_grads.watch([p for p in candidates if not p.requires_grad])  # frozen: storage once unfrozen
 
     # ---------------------------------------------------------------- backend and state
 
@@ -354,7 +358,9 @@ class FusedAmpAdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._skipped = None  # the skip flag of this step, a device scalar (read by ampfused.GradScaler)
-        plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups) else self._make_plan()
+        plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups, self.state) else self._make_plan()
+        if self._masters_pending:
+            self._copy_pending_masters()
         if not plan.params:
             if self._zero_reducer is not None:  # [distributed] an empty ZeRO partition still joins
                 self._zero_reducer.join(self._device)
@@ -369,6 +375,11 @@ class FusedAmpAdamW(Optimizer):
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
         self._skipped = skipped
         return loss
+
+    def _copy_pending_masters(self) -> None:
+        for p in self._masters_pending:
+            _dtensor.local(self.state[p]["master_param"]).copy_(_dtensor.local(p))
+        self._masters_pending = []
 
     # ---------------------------------------------------------------- GradScaler support
 
@@ -389,6 +400,9 @@ class FusedAmpAdamW(Optimizer):
         The param groups carry torch.optim.AdamW's defaults for ``foreach``/``fused``/``capturable``
         (see [note: implementation keys]), so the dict loads into either class.
         """
+        if self._masters_pending:
+            with torch.no_grad():
+                self._copy_pending_masters()
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.update(TORCH_IMPLEMENTATION_DEFAULTS)
@@ -437,6 +451,7 @@ class FusedAmpAdamW(Optimizer):
             group["betas"] = tuple(group["betas"])
         self.state = defaultdict(dict)
         self._build_state_layout()
+        self._masters_pending = []
         for key, values in saved_state.items():
             p = id_map[key]
             self._init_state(p, bool(amsgrad_of[key]))
@@ -445,5 +460,9 @@ class FusedAmpAdamW(Optimizer):
             for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if name in values and name in state:
                     _dtensor.copy_state_(state[name], values[name])
+            if "master_param" in state and "master_param" not in values:
+                # [note: masters of a torch checkpoint] taken from p at the next step, not now: a script
+                # may load the model's weights after the optimizer's, as it may with torch.optim.AdamW
+                self._masters_pending.append(p)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
