@@ -17,7 +17,8 @@ step and the next forward, plus folding each micro-batch's gradient for low-prec
 * ``ampfused-<backend>`` -- ``FusedAmpAdamW(max_grad_norm=...)`` + ``ampfused.GradScaler``: for each
   micro-batch what autograd's AccumulateGrad does at the end of ``backward()``: ``p.grad = g`` when
   ``p.grad`` is None (the hook then writes it into fp32 ``p.main_grad`` and makes that ``p.grad``),
-  else ``p.grad += g`` in place into the fp32 gradient, then the post-accumulate-grad hooks; then
+  else ``p.grad += g`` in place into the fp32 gradient (on a CPU ``ampfused::accumulate``, as the
+  optimizer's C++ pre-hook on the AccumulateGrad node does it), then the post-accumulate-grad hooks; then
   ``scaler.step(opt)``; ``scaler.update()``; ``opt.zero_grad()`` (``p.grad = None``, no zeroing pass).
 
 [note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
@@ -151,14 +152,19 @@ class AmpfusedAdamW(Provider):
         # [note: hook path] the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
         # called as autograd calls them once a param's .grad is final.
         self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
+        # and the C++ pre-hook on the AccumulateGrad node of CPU params (csrc/accumulate_hook.cpp),
+        # which adds micro-batches 2..N with ampfused::accumulate where autograd would add in place
+        self.pre_hooked = [p in self.opt._main_grads.cpu_accumulators for p in self.params]
 
     def step(self) -> None:
         if self.config.low_precision:
             for micro_batch in self.data.grads:
-                for p, g, hooks in zip(self.params, micro_batch, self.hooks):
+                for p, g, hooks, pre_hooked in zip(self.params, micro_batch, self.hooks, self.pre_hooked):
                     # what AccumulateGrad does in a no-grad backward: hand a fresh grad over, else add in place
                     if p.grad is None:
                         p.grad = g
+                    elif pre_hooked and p.grad is p.main_grad:
+                        torch.ops.ampfused.accumulate(p.main_grad, g)
                     else:
                         p.grad += g
                     for hook in hooks:
