@@ -51,6 +51,7 @@ struct AdamWScalars {
   float beta2;
   float one_minus_beta2;
   float bc2_sqrt;       // sqrt(1 - beta2^t)
+  float inv_bc2_sqrt;   // RN(1 / bc2_sqrt), for div_by_constant
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^t)
   int lerp_from_m;      // which lerp form ATen takes (|weight| < 0.5)
@@ -68,10 +69,27 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   s.bc2_sqrt = static_cast<float>(sqrt(bias_correction2));
+  s.inv_bc2_sqrt = 1.0f / s.bc2_sqrt;  // a float division: correctly rounded, as div_by_constant needs
   s.eps = static_cast<float>(eps);
   s.neg_step_size = static_cast<float>(-(lr / bias_correction1));
   return s;
 }
+
+#if !defined(__CUDA_ARCH__) && (defined(__FMA__) || defined(__aarch64__) || defined(AMPFUSED_HAVE_FMA))
+#define AMPFUSED_EXACT_DIV_BY_CONSTANT 1
+// [note: division by a constant] a / c, correctly rounded, from y = RN(1/c) without the divider,
+// which the CPU update is bound by (two divisions and a sqrt per element). q0 = RN(a*y) is within
+// 1.5 ulp of a/c; one FMA correction brings it within 1 ulp, and then Markstein's theorem (y within
+// half an ulp of 1/c, q within 1 ulp of a/c, a - c*q exact in an FMA) makes the second correction
+// RN(a/c). It needs a - c*q not to underflow: here a = sqrt(v) >= 2^-74.5 or 0, c in (0, 1]. inf and
+// NaN take a*y (inf, NaN). tests/test_passes.py checks every fp32 mantissa against `a / c`.
+AMPFUSED_HD float div_by_constant(float a, float c, float y) {
+  float q = a * y;
+  q = __builtin_fmaf(__builtin_fmaf(-q, c, a), y, q);
+  q = __builtin_fmaf(__builtin_fmaf(-q, c, a), y, q);
+  return a - a == 0.0f ? q : a * y;
+}
+#endif
 
 // One element: w (fp32 weight or master), g (unscaled, clipped, maximize-negated grad), moments.
 template <bool AMSGRAD>
@@ -89,6 +107,9 @@ AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vma
 #if defined(__CUDA_ARCH__)
   const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vh), s.bc2_sqrt), s.eps);
   w = __fadd_rn(w, __fdiv_rn(__fmul_rn(m, s.neg_step_size), denom));
+#elif defined(AMPFUSED_EXACT_DIV_BY_CONSTANT)
+  const float denom = div_by_constant(std::sqrt(vh), s.bc2_sqrt, s.inv_bc2_sqrt) + s.eps;
+  w = w + (m * s.neg_step_size) / denom;
 #else
   const float denom = std::sqrt(vh) / s.bc2_sqrt + s.eps;
   w = w + (m * s.neg_step_size) / denom;

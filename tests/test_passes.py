@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ampfused
-from ampfused import _backends, reference
+from ampfused import _backends, _compiled, reference
 from ampfused.functional import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Hyper
 from helpers import DEVICE
 
@@ -316,6 +316,24 @@ def test_overflowing_norm_steps_like_torch(backend, clip, values):
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(opt.state[ours][key], stock.state[theirs][key], rtol=1e-6, atol=0)
     assert float(opt.state[ours]["step"]) == 2.0 and scaler.get_scale() == 1.0 and scaler.skipped_steps == 0
+
+
+def _bias_correction_divisors():
+    """sqrt(1 - beta2^t) as the update rounds it, for common beta2 over early steps, and random ones in (0, 1]."""
+    divisors = {float(torch.tensor(math.sqrt(1 - b2 ** t), dtype=torch.float32))
+                for b2 in (0.999, 0.99, 0.98, 0.95, 0.9, 0.5, 0.9999) for t in (*range(1, 21), 50, 100, 1000, 10 ** 5)}
+    divisors |= set(torch.rand(40, generator=torch.Generator().manual_seed(12)).clamp_min(1e-4).tolist())
+    return sorted(divisors | {1.0})
+
+
+@pytest.mark.skipif(_compiled.load()[0] is None, reason="the compiled cpu backend (ampfused._C) is not built")
+def test_cpu_update_divides_by_its_bias_correction_exactly():
+    """The CPU update divides sqrt(v) by sqrt(1 - beta2^t) without the divider (csrc/adamw_math.h,
+    [note: division by a constant]); it must equal `a / c` for every fp32 mantissa of a, over the
+    binades sqrt(v) can take (2^-75 .. 2^64), for every divisor a run meets."""
+    for c in _bias_correction_divisors():
+        for exponent in (-75, -40, -1, 0, 1, 30, 63):
+            assert torch.ops.ampfused._division_mismatches(c, exponent) == 0, (c, exponent)
 
 
 # ------------------------------------------------------------------------------ accumulate

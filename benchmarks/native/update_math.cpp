@@ -3,10 +3,11 @@
 //   g++ -O3 -march=native -fno-math-errno -ffp-contract=off -I csrc \
 //       benchmarks/native/update_math.cpp -o /tmp/update_math && taskset -c 0 /tmp/update_math
 //
-// Times the update loop over 16K elements (in L1/L2) and over 4M (the bench's size) with
-// ampfused's torch-exact math (csrc/adamw_math.h: sqrt and two divisions per element) against the
-// form DeepSpeed's CPUAdam uses (sqrt(v) * (1/sqrt(bc2)) + eps: one division; results move by up
-// to an ulp), and with no division at all (not AdamW: the divider's share).
+// Times the update loop over 16K elements (in L1/L2) and over 4M (the bench's size) with torch's
+// math written out (sqrt and two divisions per element), ampfused's (csrc/adamw_math.h: the same
+// results bitwise, the division by the constant sqrt(bc2) done with FMAs), the form DeepSpeed's
+// CPUAdam uses (sqrt(v) * (1/sqrt(bc2)) + eps: one division; results move by up to an ulp), and
+// with no division at all (not AdamW: the divider's share).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,7 +18,7 @@
 
 using ampfused::AdamWScalars;
 
-enum Math { kTorchExact, kOneDivision, kNoDivision };
+enum Math { kTwoDivisions, kAmpfused, kOneDivision, kNoDivision };
 
 template <Math M>
 __attribute__((noinline)) void update(float* __restrict p, const float* __restrict g, float* __restrict m,
@@ -26,8 +27,13 @@ __attribute__((noinline)) void update(float* __restrict p, const float* __restri
   const float inv_bc2_sqrt = 1.0f / s.bc2_sqrt;
   for (long i = 0; i < n; ++i) {
     float w = p[i], mi = m[i], vi = v[i], unused = 0.f;
-    if (M == kTorchExact) {
+    if (M == kAmpfused) {
       ampfused::adamw_element<false>(w, g[i], mi, vi, unused, s);
+    } else if (M == kTwoDivisions) {
+      w = w * s.decay;
+      mi = __builtin_fmaf(s.lerp_coeff, g[i] - mi, mi);
+      vi = __builtin_fmaf(s.one_minus_beta2 * g[i], g[i], vi * s.beta2);
+      w = w + (mi * s.neg_step_size) / (std::sqrt(vi) / s.bc2_sqrt + s.eps);
     } else {
       w = w * s.decay;
       mi = __builtin_fmaf(s.lerp_coeff, g[i] - mi, mi);
@@ -56,7 +62,8 @@ int main() {
       std::nth_element(ns.begin(), ns.begin() + reps / 2, ns.end());
       std::printf("%8ld elements  %-34s %.3f ns/element\n", n, name, ns[reps / 2] / n);
     };
-    time("torch-exact (sqrt, 2 divisions)", [&] { update<kTorchExact>(p.data(), g.data(), m.data(), v.data(), n, s); });
+    time("torch's form (sqrt, 2 divisions)", [&] { update<kTwoDivisions>(p.data(), g.data(), m.data(), v.data(), n, s); });
+    time("ampfused (same bits, 1 division)", [&] { update<kAmpfused>(p.data(), g.data(), m.data(), v.data(), n, s); });
     time("DeepSpeed form (sqrt, 1 division)", [&] { update<kOneDivision>(p.data(), g.data(), m.data(), v.data(), n, s); });
     time("no division (not AdamW)", [&] { update<kNoDivision>(p.data(), g.data(), m.data(), v.data(), n, s); });
   }

@@ -44,6 +44,7 @@ struct IsaKernels {
   // and whether any float(g[i]) * inv_scale was inf/NaN
   SumSq (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
   void (*update)(const UpdateRange& range);
+  int64_t (*division_mismatches)(float c, int32_t exponent);  // test-only (kernels_impl.h)
 };
 
 // nullptr where the variant was not compiled in (non-x86 or non-GCC-compatible compiler)

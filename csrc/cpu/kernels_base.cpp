@@ -9,7 +9,8 @@
 namespace ampfused {
 namespace cpu {
 const IsaKernels* kernels_base() {
-  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update};
+  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update,
+                              isa_base::division_mismatches};
   return &k;
 }
 }  // namespace cpu

@@ -166,6 +166,11 @@ int64_t parallel_threads_cpu(int64_t work_items) {
   return static_cast<int64_t>(seen.size());
 }
 
+// Test-only: kernels_impl.h's division_mismatches in the ISA variant the passes use.
+int64_t division_mismatches_cpu(double c, int64_t exponent) {
+  return kernels().division_mismatches(static_cast<float>(c), static_cast<int32_t>(exponent));
+}
+
 }  // namespace
 
 const IsaKernels& kernels() {
@@ -186,4 +191,5 @@ TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
 // Test-only op without tensor arguments: defined together with its (catch-all) kernel.
 TORCH_LIBRARY_FRAGMENT(ampfused, m) {
   m.def("_parallel_threads(int work_items) -> int", &ampfused::cpu::parallel_threads_cpu);
+  m.def("_division_mismatches(float c, int exponent) -> int", &ampfused::cpu::division_mismatches_cpu);
 }
