@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _compiled
 from ._flat import FlatBuffer, check_grad
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
@@ -87,7 +86,7 @@ class MainGrads:
                 p.grad = view
             p.main_grad = view
             OWNERS[p] = self.owner_ref
-            if device.type == "cpu" and _compiled.load()[0] is not None:
+            if device.type == "cpu" and hasattr(torch.ops.ampfused, "_hook_accumulation"):  # _C loaded by setup's caller
                 self._hook_cpu_accumulation(p, view)
 
     def _hook_cpu_accumulation(self, p: Tensor, view: Tensor) -> None:
@@ -95,7 +94,11 @@ class MainGrads:
         old = self.cpu_accumulators.pop(p, None)
         if old is not None:
             torch.ops.ampfused._unhook_accumulation(p, old[1])
-        node = torch.autograd.graph.get_gradient_edge(p).node  # held first: the op hooks the live node
+            node = old[0]
+        elif p.requires_grad:
+            node = torch.autograd.graph.get_gradient_edge(p).node  # held first: the op hooks the live node
+        else:
+            return  # frozen and never hooked: it is laid out (and hooked) again when it is unfrozen
         torch.ops.ampfused._hook_accumulation(p, view)
         self.cpu_accumulators[p] = (node, view)
 

@@ -5,6 +5,7 @@ import operator
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor, functional
 from ._flat import SUPPORTED_DTYPES
@@ -46,8 +47,8 @@ class StepPlan:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
         if len(param_groups) != len(self.groups):
             return False
-        # opt.state emptied, replaced or a param's entry deleted (a reset of Adam): lazy state again
-        if state is not self.state or not all(map(operator.is_, map(state.get, self.params), self.states)):
+        # opt.state emptied, replaced, a param's entry deleted or cleared (a reset of Adam): lazy state again
+        if state is not self.state or not all(map(operator.is_, map(state.get, self.params), self.states)) or not all(self.states):
             return False
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
@@ -70,10 +71,23 @@ class StepPlan:
         hypers = []
         for group, n in self.counts:
             if n:
-                beta1, beta2 = (float(b) for b in group["betas"])  # tensor betas, as torch takes them
+                beta1, beta2 = (_as_float(b) for b in group["betas"])
                 hypers += [functional.Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                             group["amsgrad"], group["maximize"])] * n
         return hypers
+
+
+_TENSOR_HYPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor beta -> (its _version, its value)
+
+
+def _as_float(value):
+    """A tensor beta (torch takes them) as a float, read from the device only when it changed: no sync per step."""
+    if not isinstance(value, Tensor):
+        return value
+    cached = _TENSOR_HYPERS.get(value)
+    if cached is None or cached[0] != value._version:
+        cached = _TENSOR_HYPERS[value] = (value._version, float(value))
+    return cached[1]
 
 
 def _plain_grad_for(p: Tensor, grad: Tensor) -> bool:

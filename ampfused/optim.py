@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _backends, _dtensor, _main_grad, distributed, functional
+from . import _backends, _compiled, _dtensor, _main_grad, distributed, functional
 from ._flat import SUPPORTED_DTYPES, FlatBuffer, check_grad as _check_grad, is_dense
 from ._plan import StepPlan
 
@@ -141,12 +141,14 @@ class FusedAmpAdamW(Optimizer):
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
                 "max_grad_norm": self.max_grad_norm, "master_weights": self.master_weights,
                 "fp32_grad_accumulation": self.fp32_grad_accumulation, "grad_norm": self.grad_norm,
-                "_backend_name": self._backend_name}
+                "_backend_name": self._backend_name, "_masters_pending": self._masters_pending}
 
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / pickle / torch.load: flat state, main grads and hooks rebuilt on the (copied) params."""
+        pending = state.pop("_masters_pending", [])
         super().__setstate__(state)
         self._init_runtime()
+        self._masters_pending = pending
         for p in self._all_params():
             self._check_param(p)
             self._param_dtypes[p] = p.dtype
@@ -235,8 +237,13 @@ class FusedAmpAdamW(Optimizer):
         candidates = [p for p in self._all_params() if self._uses_main_grad(p)]
         if candidates and not _main_grad.SUPPORTED:
             raise RuntimeError(_main_grad.UNSUPPORTED_MESSAGE)
-        self._main_grads.setup([p for p in candidates if p.requires_grad], self._device)
-        self._main_grads.watch([p for p in candidates if not p.requires_grad])  # frozen: storage once unfrozen
+        if candidates and self._device.type == "cpu":
+            _compiled.load()  # registers the C++ accumulation hook op where _C is built
+        # a param frozen after it was laid out keeps its storage (it may be unfrozen again); one frozen
+        # before gets none until its first gradient (MainGrads.watch)
+        laid_out = [p for p in candidates if p.requires_grad or self._main_grads.owns(p)]
+        self._main_grads.setup(laid_out, self._device)
+        self._main_grads.watch([p for p in candidates if not p.requires_grad and not self._main_grads.owns(p)])
 
     # ---------------------------------------------------------------- backend and state
 
@@ -378,7 +385,9 @@ class FusedAmpAdamW(Optimizer):
 
     def _copy_pending_masters(self) -> None:
         for p in self._masters_pending:
-            _dtensor.local(self.state[p]["master_param"]).copy_(_dtensor.local(p))
+            state = self.state.get(p)
+            if state and "master_param" in state:  # (not if the state was reset since the load)
+                _dtensor.local(state["master_param"]).copy_(_dtensor.local(p))
         self._masters_pending = []
 
     # ---------------------------------------------------------------- GradScaler support

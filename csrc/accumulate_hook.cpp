@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace ampfused {
 namespace {
@@ -29,10 +30,14 @@ struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
 
   variable_list operator()(const variable_list& grads) override {
     const at::Tensor& g = grads[0];
-    if (!g.defined() || at::GradMode::is_enabled() || !takes(g)) return grads;
+    // a pre-hook registered after ours (a user's) must still see the gradient: then autograd adds
+    if (!g.defined() || at::GradMode::is_enabled() || node->pre_hooks().back().get() != this) return grads;
     static const auto accumulate = c10::Dispatcher::singleton()
                                        .findSchemaOrThrow("ampfused::accumulate", "")
                                        .typed<void(const at::Tensor&, const at::Tensor&)>();
+    // pre-hooks run outside AccumulateGrad's lock; concurrent backwards on shared params must not race
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!takes(g)) return grads;
     accumulate.call(main_grad, g);
     torch::autograd::impl::bump_version(main_grad);  // as the in-place add would
     return {at::Tensor()};
@@ -43,7 +48,7 @@ struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
 
   bool takes(const at::Tensor& g) const {
     const at::Tensor& grad = node->variable.grad();
-    return grad.defined() && grad.is_same(main_grad) && g.device() == main_grad.device() &&
+    return node->variable.requires_grad() && grad.defined() && grad.is_same(main_grad) && g.device() == main_grad.device() &&
            g.layout() == at::kStrided && g.sizes() == main_grad.sizes() && g.is_contiguous() &&
            main_grad.is_contiguous() &&
            (g.scalar_type() == at::kBFloat16 || g.scalar_type() == at::kHalf || g.scalar_type() == at::kFloat);
@@ -51,11 +56,16 @@ struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
 
   AccumulateGrad* node;  // owns this hook, so it outlives it
   at::Tensor main_grad;
+  std::mutex mutex;
 };
 
 AccumulateGrad* accumulator_of(const at::Tensor& param) {
-  TORCH_CHECK(param.requires_grad() && param.is_leaf(), "ampfused: only a leaf that requires grad has an accumulator");
-  auto node = torch::autograd::impl::grad_accumulator(param);
+  // the live node (the caller holds it), even while the param is frozen; else a new one
+  auto node = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!node) {
+    TORCH_CHECK(param.requires_grad() && param.is_leaf(), "ampfused: only a leaf that requires grad has an accumulator");
+    node = torch::autograd::impl::grad_accumulator(param);
+  }
   auto* acc = dynamic_cast<AccumulateGrad*>(node.get());
   TORCH_CHECK(acc != nullptr, "ampfused: the param has no AccumulateGrad node");
   return acc;

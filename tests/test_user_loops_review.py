@@ -79,7 +79,7 @@ def state_dict_through_disk(sd):
 # ------------------------------------------------------------------------------------------ confirmed bugs
 
 
-@pytest.mark.parametrize("how", ["state.clear()", "state = defaultdict(dict)", "del state[p]"])
+@pytest.mark.parametrize("how", ["state.clear()", "state = defaultdict(dict)", "del state[p]", "state[p].clear()"])
 def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device, how):
     """Resetting Adam's moments mid-training (continual learning, RL, re-initialised layers) is done by
     emptying ``opt.state``; torch then starts those params afresh (step 1, zero moments) and keeps the
@@ -95,6 +95,8 @@ def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device,
                     opt.state.clear()
                 elif how == "state = defaultdict(dict)":
                     opt.state = defaultdict(dict)
+                elif how == "state[p].clear()":
+                    opt.state[params[0]].clear()
                 else:
                     del opt.state[params[0]]
             for p, g in zip(params, random_grads(base, step)):
@@ -103,6 +105,7 @@ def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device,
     assert amp.state.get(amp_params[0]), "after the reset, steps ran on state that opt.state no longer holds"
     assert amp.state[amp_params[0]]["step"].item() == ref.state[ref_params[0]]["step"].item() == 3
     assert len(amp.state_dict()["state"]) == len(ref.state_dict()["state"]) == len(SHAPES)
+    assert all(amp.state_dict()["state"][i] for i in range(len(SHAPES)))
     assert_states_close(ref, ref_params, amp, amp_params, backend)
 
 
@@ -349,3 +352,144 @@ def test_bf16_unused_branch_users_clip_and_accumulation_match_the_fp32_master_re
             assert torch.equal(p, m.detach().to(torch.bfloat16)) or backend != "reference"
             for key in ref_state:
                 torch.testing.assert_close(amp_state[key].float(), ref_state[key].float(), **tol(backend))
+
+
+# ------------------------------------------------------------------ fp32 accumulation edge cases (review 2)
+
+
+def bf16_linear(device, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(6, 4).to(device=device, dtype=torch.bfloat16)
+
+
+def fp32_sum_of_backwards(model, xs):
+    """The oracle: each micro-batch's bf16 gradients summed in fp32, on a copy of the model."""
+    twin = copy.deepcopy(model)
+    total = [torch.zeros(p.shape, device=p.device) for p in twin.parameters()]
+    for x in xs:
+        for p in twin.parameters():
+            p.grad = None
+        twin(x).float().square().sum().backward()
+        for t, p in zip(total, twin.parameters()):
+            if p.grad is not None:
+                t += p.grad.float()
+    return total
+
+
+def batches(n, device, seed=0):
+    return [torch.randn(3, 6, generator=torch.Generator().manual_seed(seed + k)).to(device, torch.bfloat16) for k in range(n)]
+
+
+def test_a_param_frozen_later_keeps_fp32_storage_through_relayouts_and_unfreezing(backend, device):
+    model = bf16_linear(device)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
+    model.bias.requires_grad_(False)  # frozen after the optimizer was built
+    x = batches(3, device)
+    model(x[0]).float().square().sum().backward()
+    opt.step()  # a memory-format change is not possible on a Linear: a new group re-lays out instead
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device, dtype=torch.bfloat16))]})
+    opt.zero_grad()
+    model.bias.requires_grad_(True)
+    want = fp32_sum_of_backwards(model, x[1:])
+    for xb in x[1:]:
+        model(xb).float().square().sum().backward()
+    for p, w in zip(model.parameters(), want):
+        assert p.grad is p.main_grad and torch.equal(p.grad, w)
+    assert model.bias.main_grad.untyped_storage().data_ptr() == model.weight.main_grad.untyped_storage().data_ptr()
+    opt.step()
+
+
+def test_frozen_later_params_and_a_memory_format_change_still_step(backend, device):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to(device=device, dtype=torch.bfloat16)
+    opt = ampfused.FusedAmpAdamW(conv.parameters(), lr=1e-2, backend=backend)
+    conv.bias.requires_grad_(False)
+    conv.to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 3, 5, 5, device=device, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert opt.state[conv.weight]["exp_avg"].stride() == conv.weight.stride()
+
+
+def test_a_param_frozen_between_forward_and_backward_gets_no_gradient(device):
+    model = bf16_linear(device)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # noqa: F841 (alive: it owns the fp32 grads)
+    x = batches(2, device)
+    model(x[0]).float().square().sum().backward()
+    before = model.weight.grad.clone()
+    loss = model(x[1]).float().square().sum()
+    model.weight.requires_grad_(False)  # as AccumulateGrad: a param that no longer requires grad is left alone
+    loss.backward()
+    assert torch.equal(model.weight.grad, before)
+
+
+def test_a_users_pre_hook_on_the_accumulator_still_sees_every_gradient(device):
+    model = bf16_linear(device)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # noqa: F841
+    seen = []
+    node = torch.autograd.graph.get_gradient_edge(model.weight).node
+    node.register_prehook(lambda grads: seen.append(None if grads[0] is None else grads[0].dtype))
+    x = batches(3, device)
+    want = fp32_sum_of_backwards(model, x)
+    for xb in x:
+        model(xb).float().square().sum().backward()
+    assert seen == [torch.bfloat16] * 3
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+
+
+def test_concurrent_backwards_on_shared_params_lose_no_micro_batch():
+    """torch supports backward from several threads on shared leaves (AccumulateGrad locks); so must we."""
+    import threading
+
+    p = torch.nn.Parameter(torch.zeros(1 << 18, dtype=torch.bfloat16))
+    opt = ampfused.FusedAmpAdamW([p], lr=1e-2)  # noqa: F841
+    p.float().sum().backward()  # the first micro-batch: p.grad is the fp32 view from now on
+
+    def work():
+        for _ in range(15):
+            p.float().sum().backward()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p.grad is p.main_grad and p.grad.min().item() == p.grad.max().item() == 31.0
+
+
+def test_pending_masters_of_a_torch_checkpoint_survive_a_copy_and_a_state_reset(backend, device):
+    src = bf16_linear(device, seed=3)
+    torch_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    x = batches(1, device)[0]
+    src(x).float().square().sum().backward()
+    torch_opt.step()
+    for reset in (False, True):
+        model = bf16_linear(device, seed=1)
+        opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
+        opt.load_state_dict(state_dict_through_disk(torch_opt.state_dict()))
+        model.load_state_dict(src.state_dict())  # after the optimizer's: the masters must come from these
+        model, opt = copy.deepcopy((model, opt))
+        if reset:
+            del opt.state[model.bias]
+            model.bias.requires_grad_(False)
+        model(x).float().square().sum().backward()
+        opt.step()
+        for p, q in zip(model.parameters(), src.parameters()):
+            assert (p.float() - q.float()).abs().max().item() < 0.05, "the loaded weights were replaced"
+        assert opt.state_dict()["state"]
+
+
+def test_tensor_betas_changed_in_place_are_read_again(backend, device):
+    base = make_params(SHAPES, device=device)
+    ref_params, amp_params = clone_params(base), clone_params(base)
+    ref_betas, amp_betas = (torch.tensor(0.9), torch.tensor(0.99)), (torch.tensor(0.9), torch.tensor(0.99))
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, betas=ref_betas)
+    amp = ampfused.FusedAmpAdamW(amp_params, lr=1e-2, betas=amp_betas, backend=backend)
+    for step in range(4):
+        if step == 2:
+            for b in ref_betas + amp_betas:
+                b.fill_(0.5)
+        for opt, params in ((ref, ref_params), (amp, amp_params)):
+            for p, g in zip(params, random_grads(base, step)):
+                p.grad = g.clone()
+            opt.step()
+    assert_states_close(ref, ref_params, amp, amp_params, backend)
