@@ -157,6 +157,13 @@ void check_scaler(const at::Tensor& found_inf, const at::Tensor& scale, const at
               "ampfused: watch must be a contiguous float64 tensor of 2 elements on ", device);
 }
 
+ScalerRules scaler_rules(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                         std::optional<double> min_scale) {
+  return ScalerRules{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+                     static_cast<float>(min_scale.value_or(0.0)), growth_interval, static_cast<int32_t>(hysteresis),
+                     min_scale.has_value()};
+}
+
 void check_accumulate(const at::Tensor& main_grad, const at::Tensor& grad) {
   TORCH_CHECK(main_grad.scalar_type() == at::kFloat, "ampfused: main_grad must be float32, got ", main_grad.scalar_type());
   TORCH_CHECK(main_grad.is_contiguous() && grad.is_contiguous(), "ampfused: main_grad and grad must be contiguous");

@@ -10,6 +10,8 @@
 
 namespace ampfused {
 
+struct ScalerRules;  // adamw_math.h
+
 // Flags of a param group in the op's `flags` list.
 constexpr int64_t kFlagAmsgrad = 1;
 constexpr int64_t kFlagMaximize = 2;
@@ -59,5 +61,9 @@ void check_scaler(const at::Tensor& found_inf, const at::Tensor& scale, const at
                   const at::Tensor& hysteresis_tracker, const at::Tensor& skipped_steps,
                   const at::Tensor& consecutive_skips, const at::Tensor& watch);
 void check_accumulate(const at::Tensor& main_grad, const at::Tensor& grad);
+
+// scaler_update's float arguments as the kernels' ScalerRules (adamw_math.h), the same on every device.
+ScalerRules scaler_rules(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                         std::optional<double> min_scale);
 
 }  // namespace ampfused

@@ -142,9 +142,7 @@ void scaler_update_cpu(const at::Tensor& found_inf, const at::Tensor& scale, con
                        std::optional<double> min_scale) {
   check_scaler(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch);
   TORCH_CHECK(scale.device().is_cpu(), "ampfused::scaler_update (CPU) got tensors on ", scale.device());
-  const ScalerRules rules{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
-                          static_cast<float>(min_scale.value_or(0.0)), growth_interval, static_cast<int32_t>(hysteresis),
-                          min_scale.has_value()};
+  const ScalerRules rules = scaler_rules(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale);
   scaler_update(*found_inf.data_ptr<float>(), scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
                 hysteresis_tracker.data_ptr<int32_t>(), skipped_steps.data_ptr<int64_t>(),
                 consecutive_skips.data_ptr<int64_t>(), watch.data_ptr<double>(), rules);
