@@ -74,6 +74,7 @@ class MainGrads:
         """
         self.flat = FlatBuffer(params, device) if params else None
         self.params = params
+        cpu_hook = device is not None and device.type == "cpu" and hasattr(torch.ops.ampfused, "_hook_accumulation")
         for p, view in zip(params, self.flat.views if params else ()):
             if not self.owns(p):
                 before = p.dtype if p in OWNERS else p.grad_dtype
@@ -86,7 +87,7 @@ class MainGrads:
                 p.grad = view
             p.main_grad = view
             OWNERS[p] = self.owner_ref
-            if device.type == "cpu" and hasattr(torch.ops.ampfused, "_hook_accumulation"):  # _C loaded by setup's caller
+            if cpu_hook:  # (the op exists once the optimizer loaded _C)
                 self._hook_cpu_accumulation(p, view)
 
     def _hook_cpu_accumulation(self, p: Tensor, view: Tensor) -> None:

@@ -243,7 +243,7 @@ class FusedAmpAdamW(Optimizer):
         # before gets none until its first gradient (MainGrads.watch)
         laid_out = [p for p in candidates if p.requires_grad or self._main_grads.owns(p)]
         self._main_grads.setup(laid_out, self._device)
-        self._main_grads.watch([p for p in candidates if not p.requires_grad and not self._main_grads.owns(p)])
+        self._main_grads.watch([p for p in candidates if not p.requires_grad])  # (skips the laid-out ones)
 
     # ---------------------------------------------------------------- backend and state
 

@@ -17,7 +17,6 @@ checked against the pass's.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -25,7 +24,7 @@ import torch
 
 from ampfused import _compiled
 
-from .configs import GPT2_124M
+from .configs import shape_set
 
 
 class Model:
@@ -53,8 +52,7 @@ def main(total: int = 4_000_000, rounds: int = 30) -> None:
     module, why = _compiled.load()
     if module is None:
         raise SystemExit(f"the compiled cpu backend is needed here: {why}")
-    scale = total / sum(math.prod(s) for s in GPT2_124M)
-    sizes = [max(1, int(math.prod(s) * scale)) for s in GPT2_124M]
+    sizes = list(shape_set("gpt2-like", total).sizes)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         models = {kind: Model(sizes, kind) for kind in (None, "dispatch only", "stats")}

@@ -13,7 +13,6 @@ docs/design.md, "Where the NaN guard's pass goes".
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -21,7 +20,7 @@ import torch
 
 import ampfused
 
-from .configs import GPT2_124M
+from .configs import shape_set
 
 
 def _deepspeed_adam():
@@ -56,8 +55,7 @@ def _check_same(reference, other, name: str) -> None:
 
 
 def main(total: int = 4_000_000, rounds: int = 40) -> None:
-    scale = total / sum(math.prod(s) for s in GPT2_124M)
-    sizes = [max(1, int(math.prod(s) * scale)) for s in GPT2_124M]
+    sizes = list(shape_set("gpt2-like", total).sizes)
     ds_cls, why = _deepspeed_adam()
     kinds = ["torch", "ampfused"] + (["deepspeed"] if ds_cls is not None else [])
     if ds_cls is None:
