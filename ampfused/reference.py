@@ -132,8 +132,8 @@ def scaler_update_(found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hys
     back_off = found & (hysteresis_left <= 0)
     good_steps = torch.where(found, 0, growth_tracker + 1)
     grow = good_steps == growth_interval
-    grown = scale * growth_factor
-    backed_off = scale * backoff_factor
+    grown = (scale.double() * growth_factor).float()  # in double, rounded once: as torch's _amp_update_scale_
+    backed_off = (scale.double() * backoff_factor).float()
     if min_scale is not None:
         backed_off = torch.clamp(backed_off, min=min_scale)
     scale.copy_(torch.where(back_off, backed_off, torch.where(grow & torch.isfinite(grown), grown, scale)))

@@ -44,6 +44,20 @@
 
 namespace ampfused {
 
+// [note: explicit finiteness] Whether a float is finite is asked of its exponent bits (all ones:
+// inf or NaN), never as `x - x == 0`: that identity holds only while no compiler contracts the
+// product that made x into an fma (ptxas does, for the Triton kernels' `u - u`), and a fast-math
+// flag could fold it away.
+AMPFUSED_HD bool is_finite_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t bits = __float_as_uint(x);
+#else
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+#endif
+  return (bits & 0x7F800000u) != 0x7F800000u;
+}
+
 // Per-tensor scalars of one step, rounded to float exactly where torch rounds them.
 struct AdamWScalars {
   float decay;          // 1 - lr * weight_decay
@@ -57,11 +71,38 @@ struct AdamWScalars {
   int lerp_from_m;      // which lerp form ATen takes (|weight| < 0.5)
 };
 
+// beta ** t for the integer-valued step t, as Python's float pow rounds it (which torch uses).
+// [note: pow on the device] The CUDA pow (__internal_accurate_pow, ~2 ulp) is a long fp64 routine;
+// on the device the power is taken by squaring in double-double (~2^-100 relative: every product
+// keeps its rounding error, from one fma), then rounded once to double, i.e. the correctly rounded
+// beta ** t that glibc's pow returns on the host, but for a tie at 2^-100. Steps are whole numbers
+// (the kernels add 1.0); the host keeps std::pow. The update computes this once per block and chunk.
+AMPFUSED_HD double pow_step(double beta, float t) {
+#if defined(__CUDA_ARCH__)
+  double hi = 1.0, lo = 0.0, base_hi = beta, base_lo = 0.0;
+  for (int64_t n = static_cast<int64_t>(t); n > 0; n >>= 1) {
+    if (n & 1) {  // (hi, lo) *= (base_hi, base_lo)
+      const double p = __dmul_rn(hi, base_hi);
+      const double e = __dadd_rn(__fma_rn(hi, base_hi, -p), __fma_rn(hi, base_lo, __dmul_rn(lo, base_hi)));
+      hi = __dadd_rn(p, e);
+      lo = __dsub_rn(e, __dsub_rn(hi, p));
+    }
+    const double p = __dmul_rn(base_hi, base_hi);
+    const double e = __fma_rn(base_hi, base_hi, -p) + 2.0 * __dmul_rn(base_hi, base_lo);
+    base_hi = __dadd_rn(p, e);
+    base_lo = __dsub_rn(e, __dsub_rn(base_hi, p));
+  }
+  return __dadd_rn(hi, lo);
+#else
+  return std::pow(beta, static_cast<double>(t));
+#endif
+}
+
 // t is the new step count (old step + 1), as the float the step tensor will hold.
 AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, float t) {
   AdamWScalars s;
-  const double bias_correction1 = 1.0 - pow(beta1, static_cast<double>(t));
-  const double bias_correction2 = 1.0 - pow(beta2, static_cast<double>(t));
+  const double bias_correction1 = 1.0 - pow_step(beta1, t);
+  const double bias_correction2 = 1.0 - pow_step(beta2, t);
   const float weight = static_cast<float>(1.0 - beta1);
   s.decay = static_cast<float>(1.0 - lr * weight_decay);
   s.lerp_from_m = fabsf(weight) < 0.5f;
@@ -87,7 +128,7 @@ AMPFUSED_HD float div_by_constant(float a, float c, float y) {
   float q = a * y;
   q = __builtin_fmaf(__builtin_fmaf(-q, c, a), y, q);
   q = __builtin_fmaf(__builtin_fmaf(-q, c, a), y, q);
-  return a - a == 0.0f && a != 0.0f ? q : a * y;  // 0, inf, NaN: a * y keeps their sign and value
+  return is_finite_f32(a) && a != 0.0f ? q : a * y;  // 0, inf, NaN: a * y keeps their sign and value
 }
 #endif
 
@@ -144,8 +185,7 @@ AMPFUSED_HD void finish_stats(float sumsq, bool bad, const float* found_inf, flo
     const float coef = AMPFUSED_MUL(1.0f / AMPFUSED_ADD(norm, kClipEps), max_norm);
     factor = AMPFUSED_MUL(factor, coef < 1.0f || coef != coef ? coef : 1.0f);
   }
-  const bool finite = norm - norm == 0.0f;
-  stats[kStatsNorm] = skip && finite ? INFINITY : norm;
+  stats[kStatsNorm] = skip && is_finite_f32(norm) ? INFINITY : norm;
   stats[kStatsSkip] = skip ? 1.0f : 0.0f;
   stats[kStatsFactor] = factor;
   stats[kStatsSumsq] = sumsq;
@@ -154,7 +194,8 @@ AMPFUSED_HD void finish_stats(float sumsq, bool bad, const float* found_inf, flo
 // ------------------------------------------------------------------ GradScaler.update
 
 struct ScalerRules {
-  float growth_factor, backoff_factor, min_scale;  // min_scale used when has_min_scale
+  double growth_factor, backoff_factor;  // torch multiplies the fp32 scale by the double factor
+  float min_scale;                       // used when has_min_scale
   int64_t growth_interval;
   int32_t hysteresis;
   bool has_min_scale;
@@ -172,10 +213,17 @@ AMPFUSED_HD void scaler_update(float found_inf, float* scale, int32_t* growth_tr
   const int32_t good_steps = found ? 0 : *growth_tracker + 1;
   const bool grow = good_steps == r.growth_interval;
   const float s = *scale;
-  const float grown = AMPFUSED_MUL(s, r.growth_factor);
-  float backed_off = AMPFUSED_MUL(s, r.backoff_factor);
+  // [note: scale products in double] torch's _amp_update_scale_ computes float * double in double
+  // and rounds the result to float once: RN(s * 0.3), not RN(s * RN_float(0.3)).
+#if defined(__CUDA_ARCH__)
+  const float grown = static_cast<float>(__dmul_rn(static_cast<double>(s), r.growth_factor));
+  float backed_off = static_cast<float>(__dmul_rn(static_cast<double>(s), r.backoff_factor));
+#else
+  const float grown = static_cast<float>(static_cast<double>(s) * r.growth_factor);
+  float backed_off = static_cast<float>(static_cast<double>(s) * r.backoff_factor);
+#endif
   if (r.has_min_scale) backed_off = backed_off < r.min_scale ? r.min_scale : backed_off;  // NaN stays NaN, as clamp
-  *scale = back_off ? backed_off : (grow && grown - grown == 0.0f ? grown : s);
+  *scale = back_off ? backed_off : (grow && is_finite_f32(grown) ? grown : s);
   *growth_tracker = grow ? 0 : good_steps;
   *hysteresis_tracker = grow ? r.hysteresis : hysteresis_left;
   if (watch != nullptr) {

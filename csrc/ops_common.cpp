@@ -159,7 +159,7 @@ void check_scaler(const at::Tensor& found_inf, const at::Tensor& scale, const at
 
 ScalerRules scaler_rules(double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                          std::optional<double> min_scale) {
-  return ScalerRules{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+  return ScalerRules{growth_factor, backoff_factor,
                      static_cast<float>(min_scale.value_or(0.0)), growth_interval, static_cast<int32_t>(hysteresis),
                      min_scale.has_value()};
 }

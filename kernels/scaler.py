@@ -1,4 +1,11 @@
-"""GradScaler.update in one launch of one program (``ampfused.reference.scaler_update_`` is the spec)."""
+"""GradScaler.update in one launch of one program (``ampfused.reference.scaler_update_`` is the spec).
+
+[note: explicit finiteness] torch grows the scale only to a finite value; that is tested as
+``grown == grown and |grown| != inf``, not as ``grown - grown == 0``, which fp fusion turns into
+``fma(scale, growth_factor, -grown)`` (the product's rounding error: growth stops after the first
+inexact product). Fusion is off as well: this kernel has nothing to fuse, and a scale must be
+``RN(scale * factor)`` as in torch.
+"""
 from __future__ import annotations
 
 import triton
@@ -6,12 +13,13 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _runtime
+from .adamw import _split_f64 as split_f64
 
 
 @triton.jit
 def _scaler_update_kernel(found_inf_ptr, scale_ptr, growth_ptr, hysteresis_ptr, skipped_ptr, consecutive_ptr, watch_ptr,
-                          growth_factor, backoff_factor, min_scale, growth_interval, hysteresis,
-                          HAS_MIN_SCALE: tl.constexpr):
+                          growth_hi, growth_mid, growth_lo, backoff_hi, backoff_mid, backoff_lo, min_scale,
+                          growth_interval, hysteresis, HAS_MIN_SCALE: tl.constexpr):
     found = tl.load(found_inf_ptr) != 0.0
     tl.store(skipped_ptr, tl.load(skipped_ptr) + tl.where(found, 1, 0).to(tl.int64))
     consecutive = tl.where(found, tl.load(consecutive_ptr) + 1, 0).to(tl.int64)
@@ -22,11 +30,15 @@ def _scaler_update_kernel(found_inf_ptr, scale_ptr, growth_ptr, hysteresis_ptr, 
     good_steps = tl.where(found, 0, tl.load(growth_ptr) + 1)
     grow = good_steps == growth_interval
     scale = tl.load(scale_ptr)
-    grown = scale * growth_factor
-    backed_off = scale * backoff_factor
+    # torch multiplies in double and rounds once; the fp64 factors arrive as three exact fp32 parts
+    growth_factor = growth_hi.to(tl.float64) + growth_mid.to(tl.float64) + growth_lo.to(tl.float64)
+    backoff_factor = backoff_hi.to(tl.float64) + backoff_mid.to(tl.float64) + backoff_lo.to(tl.float64)
+    grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
+    backed_off = (scale.to(tl.float64) * backoff_factor).to(tl.float32)
     if HAS_MIN_SCALE:
         backed_off = tl.where(backed_off < min_scale, min_scale, backed_off)  # NaN stays NaN, as clamp
-    new_scale = tl.where(back_off, backed_off, tl.where(grow & (grown - grown == 0.0), grown, scale))
+    grown_finite = (grown == grown) & (tl.abs(grown) != float("inf"))
+    new_scale = tl.where(back_off, backed_off, tl.where(grow & grown_finite, grown, scale))
     tl.store(scale_ptr, new_scale)
     tl.store(growth_ptr, tl.where(grow, 0, good_steps).to(tl.int32))
     tl.store(hysteresis_ptr, tl.where(grow, hysteresis, hysteresis_left).to(tl.int32))
@@ -41,5 +53,6 @@ def scaler_update_(found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hys
     """One GradScaler.update on the device, one launch; see ``ampfused._backends``."""
     _scaler_update_kernel[(1,)](
         found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
-        float(growth_factor), float(backoff_factor), float(min_scale or 0.0), int(growth_interval), int(hysteresis),
-        HAS_MIN_SCALE=min_scale is not None, num_warps=1)
+        *split_f64(float(growth_factor)), *split_f64(float(backoff_factor)), float(min_scale or 0.0),
+        int(growth_interval), int(hysteresis),
+        HAS_MIN_SCALE=min_scale is not None, num_warps=1, enable_fp_fusion=False)

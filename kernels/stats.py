@@ -1,9 +1,16 @@
 """The stats pass and its finish, in one launch (``ampfused.reference.grad_stats_`` is the spec).
 
-Every program loops over chunks of the gradients and keeps two sums: of ``u * u`` and of
-``u - u`` (0 for every finite ``u``, NaN from the first inf/NaN on: the non-finite flag at the
-cost of one add). The last program to finish adds the partials in a fixed order and writes the
+Every program loops over chunks of the gradients and keeps the sum of ``u * u`` and a flag of
+non-finite ``u``. The last program to finish adds the partials in a fixed order and writes the
 stats vector: norm, skip flag, factor (loss scale and clip coefficient), sum of squares.
+
+[note: non-finite test] ``u`` is inf/NaN exactly when its fp32 exponent bits are all ones: an
+integer test on the bits of the rounded product, which no compiler can contract. The former
+``bad += u - u`` was not: with fp fusion on, ``x * inv_scale - u`` became
+``fma(x, inv_scale, -u)``, the product's rounding error, non-zero for almost every element once
+the scale is not a power of two (every step skipped on a GPU, never in the interpreter). Fusion
+stays on here for ``acc += u * u`` (an fma, as the CUDA kernel's), which feeds only the norm.
+tests/sm90_compile.py checks the compiled PTX for this.
 
 [note: while] Loops with run-time bounds are ``while`` loops: ``for i in range(a, b)`` with tensor
 bounds crashes the Triton 3.6 interpreter under NumPy >= 2.4 (it calls ``int()`` on a 1-element
@@ -21,6 +28,7 @@ from ._memory import load_f32
 # row table columns: one row per grad
 GRAD_ADDR, NUMEL, DTYPE, ALIGNED_ROW = map(tl.constexpr, range(4))
 ROW = tl.constexpr(4)
+EXPONENT_BITS = tl.constexpr(0x7F800000)
 # slots of the stats vector (as ampfused.functional)
 NORM, SKIP, FACTOR, SUMSQ = map(tl.constexpr, range(4))
 CLIP_EPS = tl.constexpr(1e-6)
@@ -34,13 +42,13 @@ def _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK: tl.constexp
         offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
         u = load_f32(addr, dtype, offs, None, ALIGNED) * inv_scale
         acc += u * u
-        bad += u - u
+        bad = bad | ((u.to(tl.uint32, bitcast=True) & EXPONENT_BITS) == EXPONENT_BITS).to(tl.int32)
         first += BLOCK
     if full_end < end:
         offs = full_end + tl.arange(0, BLOCK)
         u = tl.where(offs < end, load_f32(addr, dtype, offs, offs < end, ALIGNED) * inv_scale, 0.0)
         acc += u * u
-        bad += u - u
+        bad = bad | ((u.to(tl.uint32, bitcast=True) & EXPONENT_BITS) == EXPONENT_BITS).to(tl.int32)
     return acc, bad
 
 
@@ -55,7 +63,7 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         inv_scale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    bad = tl.zeros([BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)  # 1 once a lane has seen a non-finite element
     c = pid
     while c < n_chunks:
         tensor = tl.load(chunks + 2 * c)
@@ -70,7 +78,7 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
             acc, bad = _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK, False)
         c += n_programs
     tl.store(partials_ptr + pid, tl.sum(acc, axis=0))
-    tl.store(partials_ptr + n_programs + pid, tl.sum(bad, axis=0))
+    tl.store(partials_ptr + n_programs + pid, tl.max(bad, axis=0).to(tl.float32))  # 0.0 or 1.0
 
     # [note: last program finishes] Each program publishes its partials, then takes a ticket; the
     # program holding the last ticket adds every partial in a fixed order (no float atomics, so
@@ -84,14 +92,15 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         sumsq = tl.sum(tl.load(partials_ptr + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         flag = tl.sum(tl.load(partials_ptr + n_programs + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         norm = tl.sqrt_rn(sumsq)
-        skip = flag != 0.0  # NaN != 0 as well
+        skip = flag != 0.0
         if HAS_FOUND_INF:
             skip = skip | (tl.load(found_inf_ptr) != 0.0)
         factor = inv_scale
         if CLIP:  # torch: (max_norm / (norm + 1e-6)).clamp(max=1), float / tensor being reciprocal() * max_norm
             coef = tl.div_rn(1.0, norm + CLIP_EPS) * max_grad_norm
             factor = factor * tl.where((coef < 1.0) | (coef != coef), coef, 1.0)
-        tl.store(stats_ptr + NORM, tl.where(skip & (norm - norm == 0.0), float("inf"), norm))
+        finite_norm = (norm == norm) & (tl.abs(norm) != float("inf"))
+        tl.store(stats_ptr + NORM, tl.where(skip & finite_norm, float("inf"), norm))
         tl.store(stats_ptr + SKIP, tl.where(skip, 1.0, 0.0))
         tl.store(stats_ptr + FACTOR, factor)
         tl.store(stats_ptr + SUMSQ, sumsq)

@@ -98,3 +98,51 @@ def test_disabled_scaler_is_a_pass_through(backend, device):
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ampfused.GradScaler("cpu", **kwargs)
+
+
+def drive_random(scaler, pattern, make_opt, device, new_scale_at=None):
+    """Like drive, with gradients whose unscaled values are inexact products (x * (1/S) rounds),
+    and a user-set scale (update(new_scale)) at step new_scale_at. Returns the scales, the steps
+    taken per step and the final param."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(257, generator=gen).to(device))
+    weights = torch.randn(8, 257, generator=gen).to(device)
+    opt = make_opt([p])
+    scales, taken = [], []
+    for i, found in enumerate(pattern):
+        opt.zero_grad()
+        scaler.scale((p * weights[i % 8]).sum() * 1.37).backward()
+        if found:
+            p.grad[5] = math.nan if i % 2 else math.inf
+        before = p.detach().clone()
+        scaler.step(opt)
+        if new_scale_at is not None and i == new_scale_at:
+            scaler.update(new_scale=777.7)
+        else:
+            scaler.update()
+        scales.append(scaler.get_scale())
+        taken.append(not torch.equal(before, p.detach()))
+    return scales, taken, p.detach().cpu()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(init_scale=1000.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2),
+    dict(init_scale=2.0**10, growth_factor=1.5, backoff_factor=0.3, growth_interval=2),
+    dict(init_scale=1000.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=1),
+])
+@pytest.mark.parametrize("new_scale_at", [None, 3])
+def test_non_power_of_two_scales_take_every_finite_step(backend, device, kwargs, new_scale_at):
+    """[issue 16] A scale whose reciprocal is inexact must not flag finite grads (a contracted `u - u`
+    did, on the GPU) and must keep growing after an inexact product (`grown - grown == 0` did not):
+    the trajectory is torch.amp.GradScaler's exactly, every finite step is taken, as stock AdamW."""
+    stock = drive_random(torch.amp.GradScaler(device.type, **kwargs), PATTERN, torch.optim.AdamW, device, new_scale_at)
+    ours_scaler = ampfused.GradScaler(device.type, **kwargs)
+    ours = drive_random(ours_scaler, PATTERN, lambda ps: ampfused.FusedAmpAdamW(ps, backend=backend), device, new_scale_at)
+    reference = drive_random(ampfused.GradScaler(device.type, **kwargs), PATTERN,
+                             lambda ps: ampfused.FusedAmpAdamW(ps, backend="reference"), device, new_scale_at)
+    assert ours[0] == stock[0] == reference[0]
+    assert ours[1] == stock[1] == [not found for found in PATTERN]
+    assert ours_scaler.skipped_steps == sum(PATTERN)
+    assert len(set(ours[0])) > 3  # the scale did move: grown, backed off, set by the user
+    torch.testing.assert_close(ours[2], stock[2], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[2], reference[2]) or backend != "reference"

@@ -36,7 +36,9 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
 // so the flag costs one subtract and add per element. It runs as a second loop over the block
 // (8 KB for fp32, still in L1): fused into the sum-of-squares loop, GCC 12 vectorizes the pair of
 // lane arrays with a transpose per vector and the pass ran 4.5x slower (4.5 vs 1.0 ms per 4M fp32
-// elements on AVX-512).
+// elements on AVX-512). The identity holds because build_extension.py compiles every CPU file with
+// -ffp-contract=off (no fma can absorb the product into u - u: see [note: explicit finiteness] in
+// adamw_math.h for what happens otherwise); the GPU kernels test the exponent bits instead.
 template <typename G>
 SumSq sumsq_t(const G* __restrict g, int64_t n, float inv) {
   constexpr int kLanes = 16;

@@ -57,7 +57,7 @@ struct Chunk {
   int64_t start;
 };
 
-enum LrDType : int32_t { kLrValue = -1, kLrF32 = 0, kLrF64 = 3 };
+enum LrDType : int32_t { kLrValue = -1, kLrF32 = 0, kLrF16 = 1, kLrBF16 = 2, kLrF64 = 3 };
 
 struct GroupHyper {
   double lr;           // used when lr_ptr is null

@@ -136,20 +136,33 @@ __device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end,
   }
 }
 
+// A group's lr: by value, or read from a device tensor of any float dtype (no cast temporary).
+__device__ double lr_of(const GroupHyper& h) {
+  if (h.lr_ptr == nullptr) return h.lr;
+  switch (h.lr_dtype) {
+    case kLrF64: return *static_cast<const double*>(h.lr_ptr);
+    case kLrF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
+    case kLrBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
+    default: return static_cast<double>(*static_cast<const float*>(h.lr_ptr));
+  }
+}
+
 __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
   if (p.stats[kStatsSkip] != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
   const float factor = p.stats[kStatsFactor];
   const GroupHyper* groups = p.groups != nullptr ? p.groups : p.inline_groups;
+  __shared__ AdamWScalars chunk_scalars;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
     const UpdateEntry t = p.tensors[chunk.tensor];
     const GroupHyper& h = groups[t.group];
-    double lr = h.lr;
-    if (h.lr_ptr != nullptr) {
-      lr = h.lr_dtype == kLrF64 ? *static_cast<const double*>(h.lr_ptr)
-                                : static_cast<double>(*static_cast<const float*>(h.lr_ptr));
+    // the per-tensor scalars (two fp64 powers) once per block and chunk, not in every thread
+    __syncthreads();  // every thread has copied the previous chunk's scalars
+    if (threadIdx.x == 0) {
+      chunk_scalars = adamw_scalars(lr_of(h), h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*t.step, 1.0f));
     }
-    const AdamWScalars s = adamw_scalars(lr, h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*t.step, 1.0f));
+    __syncthreads();
+    const AdamWScalars s = chunk_scalars;
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
     const int64_t end = min(chunk.start + kChunkSize, t.numel);
     switch (t.param_dtype) {
@@ -170,7 +183,8 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
 
 // ------------------------------------------------------------------------------------- stats
 
-// [note: non-finite lanes] bad += u - u is 0 for finite u and NaN from the first inf/NaN on.
+// [note: non-finite lanes] `bad` counts the inf/NaN u by their exponent bits (is_finite_f32), an
+// integer test: nothing a compiler contracts. u itself is __fmul_rn (never fused), as torch's.
 template <typename G>
 __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, float inv, float& acc, float& bad) {
   const G* g = static_cast<const G*>(t.grad);
@@ -184,7 +198,7 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
       for (int j = 0; j < 4; ++j) {
         const float u = __fmul_rn(x[j], inv);
         acc = __fmaf_rn(u, u, acc);
-        bad = __fadd_rn(bad, __fsub_rn(u, u));
+        bad += is_finite_f32(u) ? 0.0f : 1.0f;
       }
     }
     scalar_begin = begin + 4 * n4;
@@ -192,7 +206,7 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
   for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
     const float u = __fmul_rn(to_float(g[i]), inv);
     acc = __fmaf_rn(u, u, acc);
-    bad = __fadd_rn(bad, __fsub_rn(u, u));
+    bad += is_finite_f32(u) ? 0.0f : 1.0f;
   }
 }
 
