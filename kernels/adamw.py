@@ -28,8 +28,10 @@ ROW = tl.constexpr(12)
 # group table, one row per distinct hyperparameter set: fp64 bit patterns, then the lr source and flags
 G_LR, G_BETA1, G_BETA2, G_EPS, G_WD, G_LR_ADDR, G_LR_KIND, G_FLAGS = map(tl.constexpr, range(8))
 GROUP_ROW = tl.constexpr(8)
-# lr from the table / an fp32 / fp64 tensor / a kernel-argument slot (G_LR_ADDR holds the slot)
-LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR, LR_SLOT = map(tl.constexpr, range(4))
+# lr from the table / an fp32 / fp64 / fp16 / bf16 tensor / a kernel-argument slot (G_LR_ADDR holds the slot)
+LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR, LR_SLOT, LR_FP16_ADDR, LR_BF16_ADDR = map(tl.constexpr, range(6))
+LR_KIND_OF = {torch.float32: int(LR_FP32_ADDR), torch.float64: int(LR_FP64_ADDR), torch.float16: int(LR_FP16_ADDR),
+              torch.bfloat16: int(LR_BF16_ADDR)}
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
 SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)  # slots of the stats vector (as ampfused.functional)
 AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
@@ -176,6 +178,11 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, retired_ptr, n_tensors
             lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float32))).to(tl.float64)
         elif lr_kind == LR_FP64_ADDR:
             lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float64)))
+        elif lr_kind == LR_FP16_ADDR:
+            lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float16))).to(tl.float64)
+        elif lr_kind == LR_BF16_ADDR:  # exact widening by bits (see _memory.py)
+            bits = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.uint16)))
+            lr = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
         elif lr_kind == LR_SLOT:
             lr = _slot_lr(tl.load(group + G_LR_ADDR), lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid,
                           lr2_lo, lr3_hi, lr3_mid, lr3_lo)
@@ -293,10 +300,12 @@ def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
         if lr.device.type == "cpu" and device.type != "cpu":
             value = float(lr)  # a host read of host memory: no device sync
         else:
-            if lr.device != device or lr.dtype not in (torch.float32, torch.float64):
+            # [note: lr of any float dtype] read in its own dtype by the kernel: no cast temporary,
+            # which a captured CUDA graph would replay into after the table cache dropped it
+            if lr.device != device or lr.dtype not in LR_KIND_OF:
                 lr = lr.to(device=device, dtype=torch.float32)  # rare: keep the copy alive with the table
                 keep_alive.append(lr)
-            kind, value, addr = int(LR_FP64_ADDR if lr.dtype == torch.float64 else LR_FP32_ADDR), 0.0, lr.data_ptr()
+            kind, value, addr = LR_KIND_OF[lr.dtype], 0.0, lr.data_ptr()
     if kind == int(LR_VALUE):
         value = float(value)
         slot = slot_of_lr.get(value)

@@ -162,3 +162,59 @@ def test_large_and_many_tensors_match_reference(backend):
     exact = sum(float(g.double().mul(0.5).pow(2).sum()) for g in state["grads"])
     assert abs(sums[0].item() - exact) <= 1e-5 * exact
     assert all(bitwise_equal(s, sums[0]) for s in sums)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_replay_with_30_groups_and_bf16_lr_tensor(backend):
+    """[issue 16] More groups than travel by value (a group table per step) and a bf16 lr tensor (no
+    longer cast into a temporary): nothing a replay reads may be freed after capture. The caching
+    allocator is churned between replays so that freed blocks would be handed out and overwritten."""
+    require(backend)
+    def build():
+        params = [torch.randn(97 + 31 * i, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+                  .requires_grad_() for i in range(30)]
+        lrs = [torch.tensor(1e-3 * (1 + i % 7), device="cuda", dtype=torch.bfloat16) for i in range(30)]
+        groups = [dict(params=[p], lr=lr, weight_decay=0.01 * (i % 3)) for i, (p, lr) in enumerate(zip(params, lrs))]
+        return params, lrs, ampfused.FusedAmpAdamW(groups, max_grad_norm=1.0, backend=backend)
+    eager_params, eager_lrs, eager = build()
+    graph_params, graph_lrs, graphed = build()
+    static_grads = [torch.zeros_like(p) for p in graph_params]
+    for p, g in zip(graph_params, static_grads):
+        p.grad = g
+
+    def grads(k):
+        g = torch.Generator().manual_seed(100 + k)
+        return [torch.randn(p.shape, generator=g).to("cuda") for p in eager_params]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s, g in zip(static_grads, grads(0)):
+            s.copy_(g)
+        graphed.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p, g in zip(eager_params, grads(0)):
+        p.grad = g
+    eager.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+
+    for k in range(1, 11):
+        for lrs in (eager_lrs, graph_lrs):  # a scheduler writing the lr tensors in place
+            for i, lr in enumerate(lrs):
+                lr.fill_(1e-3 * (1 + (i + k) % 7))
+        for s, g in zip(static_grads, grads(k)):
+            s.copy_(g)
+        churn = [torch.full((4096,), float("nan"), device="cuda") for _ in range(64)]  # reuse of freed blocks
+        pinned = [torch.full((4096,), float("nan")).pin_memory() for _ in range(8)]
+        graph.replay()
+        del churn, pinned
+        for p, g in zip(eager_params, grads(k)):
+            p.grad = g
+        eager.step()
+        torch.cuda.synchronize()
+        for i, (pe, pg) in enumerate(zip(eager_params, graph_params)):
+            assert bitwise_equal(pg.detach(), pe.detach()), f"replay {k}: param {i}"
+            for key, value in eager.state[pe].items():
+                assert bitwise_equal(graphed.state[pg][key], value), f"replay {k}: param {i} state {key}"

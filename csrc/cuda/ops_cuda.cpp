@@ -136,6 +136,19 @@ std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build
   return fresh;
 }
 
+// [note: step temporaries and CUDA graphs] A step allocates temporaries only in rare cases (more
+// than kInlineGroups groups: a pinned buffer and its device copy; an lr tensor on another GPU or of
+// an integer dtype: its fp32 copy). Eagerly, the caching allocators keep them until the stream is
+// done with them. A captured graph replays the copy and the kernel reading them later, so
+// temporaries made during capture are kept for the life of the process (a few bytes per capture).
+void keep_for_graphs(std::vector<at::Tensor> temporaries) {
+  if (temporaries.empty() || c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) return;
+  static std::mutex mu;
+  static std::vector<at::Tensor> kept;
+  std::lock_guard<std::mutex> lock(mu);
+  for (at::Tensor& t : temporaries) kept.push_back(std::move(t));
+}
+
 // Layout key: kind, device, then every element count.
 std::shared_ptr<Table> layout_for(int64_t kind, const at::Device& device, const std::vector<int64_t>& numels, int blocks_per_sm) {
   std::vector<int64_t> key{kind, device.index()};
@@ -248,14 +261,18 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     if (g.lr_tensor.has_value()) {
       const at::Tensor& lr = *g.lr_tensor;
       if (lr.is_cuda()) {
-        // read on the device at kernel time: no sync, and graph replays see scheduler updates (an lr
-        // on another GPU is copied over on the stream; reading it on the host would synchronize)
-        at::Tensor lr_t = lr.device() == device && (lr.scalar_type() == at::kFloat || lr.scalar_type() == at::kDouble)
-                              ? lr
-                              : lr.to(device, at::kFloat);
+        // read on the device at kernel time, in its own float dtype: no sync, no temporary, and graph
+        // replays see scheduler updates. Only an lr on another GPU or of a non-float dtype is copied
+        // over on the stream (reading it on the host would synchronize); see keep_for_graphs.
+        const at::ScalarType type = lr.scalar_type();
+        const bool direct = lr.device() == device && (type == at::kFloat || type == at::kDouble ||
+                                                      type == at::kHalf || type == at::kBFloat16);
+        at::Tensor lr_t = direct ? lr : lr.to(device, at::kFloat);
         h.lr_ptr = lr_t.data_ptr();
-        h.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64 : kLrF32;
-        keep_alive.push_back(lr_t);
+        h.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64
+                     : lr_t.scalar_type() == at::kHalf ? kLrF16
+                     : lr_t.scalar_type() == at::kBFloat16 ? kLrBF16 : kLrF32;
+        if (!direct) keep_alive.push_back(lr_t);
       } else {
         h.lr = lr.item<double>();  // a CPU tensor: no device sync
       }
@@ -279,9 +296,12 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     std::memcpy(host.data_ptr(), hyper.data(), bytes);
     group_table = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
     group_table.copy_(host, /*non_blocking=*/true);
+    keep_alive.push_back(host);
     p.groups = static_cast<const GroupHyper*>(group_table.data_ptr());
   }
   C10_CUDA_CHECK(launch_update(p, layout->grid, stream));
+  if (group_table.defined()) keep_alive.push_back(group_table);
+  keep_for_graphs(std::move(keep_alive));
 }
 
 void scaler_update_cuda(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
