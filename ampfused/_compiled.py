@@ -140,12 +140,13 @@ class CompiledBackend:
         torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad, main_grad))
 
     def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
-                    max_grad_norm: float | None, stats: Tensor) -> None:
+                    max_grad_norm: float | None, stats: Tensor, scratch=None) -> None:
         torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], grad_scale, found_inf,
-                                      None if max_grad_norm is None else float(max_grad_norm), stats)
+                                      None if max_grad_norm is None else float(max_grad_norm), stats,
+                                      self._scratch_buffer(scratch, stats.device))
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
-                      stats: Tensor) -> None:
+                      stats: Tensor, scratch=None) -> None:
         # Tensors share a group when their hyperparameters are equal (a tensor lr by identity), so
         # the kernels see a handful of groups whether the caller built one Hyper per group or per tensor.
         index: dict[tuple, int] = {}
@@ -177,13 +178,17 @@ class CompiledBackend:
         torch.ops.ampfused.adamw_update(
             list(params), [_as_kernel_input(g, p) for g, p in zip(grads, params)], list(exp_avgs), list(exp_avg_sqs),
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
-            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats)
+            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats, self._scratch_buffer(scratch, stats.device))
 
     def scaler_update_(self, found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
                        *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale) -> None:
         torch.ops.ampfused.scaler_update(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps,
                                          consecutive_skips, watch, float(growth_factor), float(backoff_factor),
                                          int(growth_interval), int(hysteresis), None if min_scale is None else float(min_scale))
+
+    def _scratch_buffer(self, scratch, device: torch.device) -> Tensor | None:
+        """The caller's launch scratch for the CUDA kernels ([note: scratch]); the CPU kernels need none."""
+        return scratch.buffer(device) if scratch is not None and self.NAME == "cuda" else None
 
     def _empty(self, device: torch.device) -> Tensor:
         empty = self._empties.get(device)

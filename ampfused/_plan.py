@@ -8,7 +8,6 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor, functional
-from ._flat import SUPPORTED_DTYPES
 
 
 class StepPlan:
@@ -23,12 +22,14 @@ class StepPlan:
     through the validating path. Hyperparameters are read per group at every step.
     """
 
-    def __init__(self, param_groups, work, state):
+    def __init__(self, param_groups, work, state, scratch):
+        self.scratch = scratch  # functional.Scratch: the optimizer's launch scratch, a memo for this plan's tables
         self.groups = [(g, g["params"], len(g["params"]), g["amsgrad"]) for g in param_groups]
         self.all_params = [p for g in param_groups for p in g["params"]]
         self.all_grads = [p.grad for p in self.all_params]
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
+        self.grad_layouts = _grad_layouts(self.grads)  # what the checked grads look like: fresh ones must match
         # a DTensor's data_ptr() is 0: its local shard's stands for it
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
@@ -53,16 +54,17 @@ class StepPlan:
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
                 return False
-        if [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
+        data_ptrs = list(map(Tensor.data_ptr, self.params))
+        if data_ptrs != self.data_ptrs and [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
             return False
-        grads = [p.grad for p in self.all_params]
+        grads = list(map(_GRAD, self.all_params))
         if all(map(operator.is_, grads, self.all_grads)):
             return True
         # new grad tensors for the same params (zero_grad(set_to_none=True) + backward): check them only
         if [g is None for g in grads] != [g is None for g in self.all_grads]:
             return False  # another set of params has gradients
         fresh = [g for g in grads if g is not None]
-        if any(g is not old and not _plain_grad_for(p, g) for p, g, old in zip(self.params, fresh, self.grads)):
+        if _grad_layouts(fresh) != self.grad_layouts:
             return False
         self.all_grads, self.grads = grads, fresh
         return True
@@ -90,7 +92,21 @@ def _as_float(value):
     return cached[1]
 
 
-def _plain_grad_for(p: Tensor, grad: Tensor) -> bool:
-    """A grad the plan can take as is: what autograd produces for ``p`` (anything else goes through check_grad)."""
-    return (grad.layout is torch.strided and grad.shape == p.shape and grad.dtype in SUPPORTED_DTYPES
-            and grad.device == p.device and grad.stride() == p.stride())
+_DTYPE, _GRAD = operator.attrgetter("dtype"), operator.attrgetter("grad")
+
+
+def _grad_layouts(grads: list) -> tuple | None:
+    """Dtype and strides of every grad, read with C-level maps (no Python call per grad).
+
+    [note: fresh grads] zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
+    them when they look like the grads it checked -- then only their addresses are new, which the
+    backends' tables read from ``data_ptr()`` -- else the step re-validates through check_grad. Shape
+    and device need no reading: torch's ``p.grad`` setter and autograd refuse a grad of another size
+    or device than its param; dtype is read because ``Tensor.grad_dtype`` may allow another.
+    """
+    try:
+        if all(map(Tensor.is_contiguous, grads)):  # the common case: one bool per grad, no stride tuples
+            return list(map(_DTYPE, grads)), None
+        return list(map(_DTYPE, grads)), list(map(Tensor.stride, grads))
+    except RuntimeError:  # a sparse grad has no strides: check_grad names the problem
+        return None

@@ -22,6 +22,9 @@ CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 # Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
 NORM, SKIP, FACTOR, SUMSQ = 0, 1, 2, 3
 STATS_SIZE = 4
+# Bytes of a launch scratch (csrc/cuda/ops_cuda.cpp kScratchBytes): the stats pass's ticket counter at
+# byte 0, the update pass's at byte 8, from byte 16 the stats partials (two doubles a block, <= 4096 blocks).
+SCRATCH_BYTES = 16 + 16 * 4096
 
 
 class Hyper(NamedTuple):
@@ -34,6 +37,36 @@ class Hyper(NamedTuple):
     weight_decay: float
     amsgrad: bool
     maximize: bool
+
+
+class Scratch:
+    """What the passes of one optimizer keep on the device and the host between its steps.
+
+    [note: scratch] The stats and update launches find their last program with a ticket counter
+    (zero between launches, reset by that last program) and the stats pass adds per-program
+    partials there. Those live in ``buffer(device)``, one per optimizer: two optimizers stepping on
+    two streams, or in two replayed CUDA graphs, never share a counter (the read-only chunk layouts
+    stay shared). A call without a Scratch (the functional API) gets a fresh zeroed buffer.
+
+    ``memo`` is a dict a backend keeps host-side tables of this caller in. Whoever passes the same
+    Scratch again with the same list objects (params, states, steps, masters) promises that every
+    grad kept its dtype, shape and strides, so only grad addresses need to be read again
+    ([note: host time] in ``_plan.py``); new list objects mean anything may have changed.
+    """
+
+    def __init__(self, buffers: dict | None = None):
+        self._buffers = {} if buffers is None else buffers  # device -> uint8 [SCRATCH_BYTES], shared by for_new_plan
+        self.memo: dict = {}
+
+    def for_new_plan(self) -> "Scratch":
+        """The same device buffers with an empty memo (the caller's lists changed)."""
+        return Scratch(self._buffers)
+
+    def buffer(self, device: torch.device) -> Tensor:
+        buf = self._buffers.get(device)
+        if buf is None:
+            buf = self._buffers[device] = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+        return buf
 
 
 def _per_tensor(value, n: int, name: str) -> list:
@@ -101,13 +134,14 @@ def fused_amp_adamw(
 
 
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
-             reduce_stats=None) -> tuple[Tensor, Tensor]:
+             reduce_stats=None, scratch: Scratch | None = None) -> tuple[Tensor, Tensor]:
     """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector.
 
     ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
     skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
-    the finish then runs again on them, so every rank takes the same decision.
+    the finish then runs again on them, so every rank takes the same decision. ``scratch``: the
+    caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -118,12 +152,12 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
-    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats)
+    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats, scratch=scratch)
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         from .reference import finish_  # the finish's spec (reference imports this module's slot names)
 
         finish_(stats, grad_scale, None, max_grad_norm)
-    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats)
+    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats, scratch=scratch)
     return stats[NORM], stats[SKIP]

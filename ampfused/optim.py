@@ -132,6 +132,7 @@ class FusedAmpAdamW(Optimizer):
         self._state_index: dict[Tensor, int] = {}
         self._main_grads = _main_grad.MainGrads(self, self._setup_main_grads)
         self._plan: StepPlan | None = None  # the last step's tensor lists (see _plan.py)
+        self._scratch = functional.Scratch()  # this optimizer's launch counters and partials (never copied)
         self._skipped: Tensor | None = None
         self._masters_pending: list[Tensor] = []  # loaded without master_param: copied from p at the next step
         self._zero_reducer = None  # a ZeroRedundancyOptimizer partition's stats reducer (set in __init__, not copied)
@@ -342,7 +343,7 @@ class FusedAmpAdamW(Optimizer):
                 self._init_state(p, group["amsgrad"])
             elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
                 self._build_state_layout()
-        self._plan = StepPlan(self.param_groups, work, self.state)
+        self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan())
         return self._plan
 
     # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
@@ -379,7 +380,8 @@ class FusedAmpAdamW(Optimizer):
             lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
             self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
-            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats,
+            scratch=plan.scratch)
         self._skipped = skipped
         return loss
 

@@ -33,7 +33,7 @@ def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
 
 
 def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
-                max_grad_norm: float | None, stats: Tensor) -> None:
+                max_grad_norm: float | None, stats: Tensor, scratch=None) -> None:
     """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
     (unscale first, as torch does), then :func:`finish_`: see ``_backends`` for ``stats``."""
     inv_scale = inv_scale_of(grad_scale)
@@ -73,8 +73,9 @@ def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, 
     stats[FACTOR] = factor
 
 
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor) -> None:
-    """One AdamW step per tensor; see ``_backends`` for the contract of every argument."""
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
+                  scratch=None) -> None:
+    """One AdamW step per tensor; see ``_backends`` for the contract of every argument (no scratch needed)."""
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
     for i in range(len(params)):

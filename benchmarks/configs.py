@@ -33,12 +33,15 @@ class StepConfig:
     loss_scaling: the GradScaler is enabled (fp32 params under fp16 autocast, fp16 params);
         bf16 runs with the scaler disabled, as bf16 training usually does.
     clip: global-norm clipping to MAX_GRAD_NORM.
+    fresh_grads: every step hands over new grad tensors at new addresses, as torch's default
+        ``zero_grad(set_to_none=True)`` + backward do (providers.py [note: fresh grads]).
     """
 
     param_dtype: str
     micro_batches: int
     loss_scaling: bool
     clip: bool
+    fresh_grads: bool = False
 
     @property
     def name(self) -> str:
@@ -48,6 +51,8 @@ class StepConfig:
         if self.loss_scaling:
             parts.append("scaled")
         parts.append("clip" if self.clip else "noclip")
+        if self.fresh_grads:
+            parts.append("fresh-grads")
         return "-".join(parts)
 
     @property
@@ -72,6 +77,7 @@ def all_configs() -> list[StepConfig]:
 
 FP32_CLIP = StepConfig("fp32", 1, True, True)
 FP32_NOCLIP = StepConfig("fp32", 1, True, False)
+FP32_CLIP_FRESH = StepConfig("fp32", 1, True, True, fresh_grads=True)
 BF16_X1_CLIP = StepConfig("bf16", 1, False, True)
 BF16_X4_CLIP = StepConfig("bf16", 4, False, True)
 FP16_X1_CLIP = StepConfig("fp16", 1, True, True)
@@ -161,7 +167,8 @@ class Case:
 SWEEPS = ("configs", "size", "tensors", "host")
 # [note: host sweep] many tiny tensors, where the device work is ~0 and a step's time is the Python
 # and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
-# model with 2000 params, 16 elements each.
+# model with 2000 params, 16 elements each; with stable grads (autograd accumulating into the same
+# p.grad) and with fresh grads every step (torch's default zero_grad(set_to_none=True) loop).
 HOST_COUNTS, HOST_NUMEL = (148, 291, 2000), 16
 
 # [note: sweep design] The full configuration matrix is run at one representative size (GPT-2-like
@@ -192,7 +199,8 @@ def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | N
         cases += [("tensors", shape_set(f, tensors_total), c) for c in head for f in ("few-large", "gpt2-like", "llama-like")]
     if "host" in sweeps:
         counts = HOST_COUNTS if name != "quick" else HOST_COUNTS[:1]
-        cases += [("host", ShapeSet("tiny", (HOST_NUMEL,) * n), c) for c in (FP32_CLIP, FP32_NOCLIP) for n in counts]
+        cases += [("host", ShapeSet("tiny", (HOST_NUMEL,) * n), c) for c in (FP32_CLIP, FP32_NOCLIP, FP32_CLIP_FRESH)
+                  for n in counts]
     merged: dict[tuple, tuple[str, ...]] = {}  # a case shared by two sweeps is measured once
     for sweep, shapes, config in cases:
         merged[(shapes, config)] = merged.get((shapes, config), ()) + (sweep,)

@@ -170,11 +170,12 @@ def plot_host(rows, path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     for name in _providers(subset):
-        for clip, style in ((True, "-"), (False, ":")):
-            pts = sorted((r["tensors"], r) for r in subset if r["provider"] == name and r["clip"] == clip)
+        for clip, fresh, style in ((True, False, "-"), (False, False, ":"), (True, True, "--")):
+            pts = sorted(((r["tensors"], r) for r in subset if r["provider"] == name and r["clip"] == clip
+                          and r["config"].endswith("fresh-grads") == fresh), key=lambda x: x[0])
             if not pts:
                 continue
-            label = f"{name}, {'clip' if clip else 'noclip'}"
+            label = f"{name}, {'clip' if clip else 'noclip'}{', fresh grads' if fresh else ''}"
             xs = [n for n, _ in pts]
             left.errorbar(xs, [r["median_ms"] for _, r in pts],
                           yerr=[[r["median_ms"] - r["p20_ms"] for _, r in pts], [r["p80_ms"] - r["median_ms"] for _, r in pts]],

@@ -41,6 +41,29 @@ from .configs import BETAS, EPS, GRAD_STD, GROWTH_INTERVAL, INIT_SCALE, LR, MAX_
 STOCK = ("torch-foreach", "torch-fused")
 
 
+class FreshGrads:
+    """[note: fresh grads] SETS copies of the case's fp32 gradients, handed over in turn at the start
+    of every step: each step gets new grad tensors at addresses unseen for SETS - 1 steps (more than
+    any table cache keeps), as zero_grad(set_to_none=True) + backward give. The hand-over (one
+    ``p.grad =`` per param) is inside the timed step, for stock and ampfused alike."""
+
+    SETS = 20
+
+    def __init__(self, grads):
+        self.sets = [[g.clone() for g in grads] for _ in range(self.SETS)]
+        self.k = 0
+
+    def restore(self, grads) -> None:
+        """Put the case's gradients into the set the next step hands over (the gate's restore)."""
+        torch._foreach_copy_(self.sets[self.k % self.SETS], grads)
+
+    def hand_over(self, params) -> None:
+        grads = self.sets[self.k % self.SETS]
+        self.k += 1
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
 class CaseData:
     """Seeded initial params (fp32) and gradients (per micro-batch, in the param dtype) of one case."""
 
@@ -105,6 +128,7 @@ class StockAdamW(Provider):
             for m, g in zip(self.masters, data.grads[0]):
                 m.grad = g.clone()
         self.master_grads = [m.grad for m in self.masters]
+        self.fresh = FreshGrads(data.grads[0]) if cfg.fresh_grads else None
         self.opt = torch.optim.AdamW(self.masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                      **{impl: True})
         self.scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
@@ -112,10 +136,14 @@ class StockAdamW(Provider):
         _init_scale(self.scaler, device)
 
     def restore_grads(self) -> None:
-        if not self.config.low_precision:
+        if self.fresh is not None:
+            self.fresh.restore(self.data.grads[0])
+        elif not self.config.low_precision:
             torch._foreach_copy_(self.master_grads, self.data.grads[0])
 
     def step(self) -> None:
+        if self.fresh is not None:
+            self.fresh.hand_over(self.masters)
         if self.config.low_precision:
             for k, micro_batch in enumerate(self.data.grads):
                 (torch._foreach_copy_ if k == 0 else torch._foreach_add_)(self.master_grads, micro_batch)
@@ -149,6 +177,7 @@ class AmpfusedAdamW(Provider):
         if not cfg.low_precision:
             for p, g in zip(self.params, data.grads[0]):
                 p.grad = g.clone()
+        self.fresh = FreshGrads(data.grads[0]) if cfg.fresh_grads else None
         # [note: hook path] the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
         # called as autograd calls them once a param's .grad is final.
         self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
@@ -156,7 +185,13 @@ class AmpfusedAdamW(Provider):
         # which adds micro-batches 2..N with ampfused::accumulate where autograd would add in place
         self.pre_hooked = [p in self.opt._main_grads.cpu_accumulators for p in self.params]
 
+    def restore_grads(self) -> None:
+        if self.fresh is not None:
+            self.fresh.restore(self.data.grads[0])
+
     def step(self) -> None:
+        if self.fresh is not None:
+            self.fresh.hand_over(self.params)
         if self.config.low_precision:
             for micro_batch in self.data.grads:
                 for p, g, hooks, pre_hooked in zip(self.params, micro_batch, self.hooks, self.pre_hooked):

@@ -13,14 +13,20 @@
 // [note: no optional mutable lists] max_exp_avg_sqs and masters use an empty tensor where a param
 // has no AMSGrad buffer / no master copy: torch's auto-functionalization (torch.compile) fails on
 // `Tensor(a!)?[]` lists holding None (torch 2.13).
+//
+// [note: scratch] `scratch` is the caller's launch scratch (uint8, kScratchBytes, zero between launches):
+// the tickets and partials of the last-block logic. FusedAmpAdamW passes one per optimizer, so two
+// optimizers on two streams, or two replayed CUDA graphs, never share a counter; without it each
+// launch gets a fresh zeroed one. The CPU kernels need none and ignore it.
 TORCH_LIBRARY(ampfused, m) {
   m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
-  m.def("grad_stats(Tensor[] grads, Tensor? grad_scale, Tensor? found_inf, float? max_grad_norm, Tensor(a!) stats) -> ()");
+  m.def("grad_stats(Tensor[] grads, Tensor? grad_scale, Tensor? found_inf, float? max_grad_norm, Tensor(a!) stats, "
+        "Tensor(b!)? scratch=None) -> ()");
   m.def(
       "adamw_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
-      "Tensor stats) -> ()");
+      "Tensor stats, Tensor(g!)? scratch=None) -> ()");
   m.def(
       "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "

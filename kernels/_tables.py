@@ -31,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -40,13 +41,11 @@ CACHE_SIZE = 8  # live entries per kind: enough for a few optimizers, small enou
 
 @dataclass
 class Layout:
-    """The chunk layout of one set of sizes, plus the scratch its "last program" logic needs."""
+    """The chunk layout of one set of sizes (read-only on the device: shared by every caller)."""
 
     chunks: Tensor  # int64 [n_chunks, 2]: (tensor index, first element)
     n_chunks: int
     grid: int  # programs launched (a stats launch loops over chunks; an update launch has one per chunk)
-    retired: Tensor  # int32 [1], zero between launches: counts finished programs
-    partials: Tensor | None  # fp32 [2, grid]: per-program sum of squares and non-finite sum (stats)
     host: Tensor | None  # pinned source of the upload, kept alive for graph replays
 
 
@@ -57,11 +56,17 @@ class Rows:
     rows: Tensor  # int64 [n_tensors, width]
     n_tensors: int
     host: Tensor | None
+    source: Tensor | None = None  # the host rows it was built from
 
 
 _cache: dict[str, OrderedDict] = {}
 _kept: dict[Hashable, object] = {}
 _built_in_capture: set[Hashable] = set()
+_retained: list = []  # memo tables (ScratchRows) a captured graph uses: never freed
+
+# The caller's launch scratch (ampfused.functional.Scratch, [note: scratch] there): uint8, zero between
+# launches; byte 0: the stats ticket counter, byte 8: the update's, from byte 16: the stats partials.
+SCRATCH_BYTES = 16 + 16 * 4096
 
 
 def capturing(device: torch.device) -> bool:
@@ -96,6 +101,74 @@ def cached(kind: str, key: Hashable, device: torch.device, build: Callable[[], o
     return entry
 
 
+def scratch_views(scratch, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(stats counter int32 [1], update counter int32 [1], partials fp32) of the caller's scratch.
+
+    Without one (the functional API) a fresh zeroed buffer: nothing is shared with another caller.
+    """
+    if scratch is None:
+        buf = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
+        return buf[0:4].view(torch.int32), buf[8:12].view(torch.int32), buf[16:].view(torch.float32)
+    views = scratch.memo.get(("scratch views", device))
+    if views is None:
+        buf = scratch.buffer(device)
+        views = scratch.memo[("scratch views", device)] = (buf[0:4].view(torch.int32), buf[8:12].view(torch.int32),
+                                                          buf[16:].view(torch.float32))
+    return views
+
+
+class ScratchRows:
+    """A row table kept in a caller's memo whose address column follows the grads ([note: host time]).
+
+    Built once with every check; afterwards a call with new grads (same dtypes and shapes) reads only
+    their ``data_ptr()`` (one C-level ``map``) and, when an address moved, patches the column and
+    the alignment flags with tensor ops on the host copy: no Python per tensor.
+    """
+
+    def __init__(self, rows: Rows, host: Tensor, grads: list, addr_column: int, aligned_column: int, other_aligned: Tensor,
+                 device: torch.device, memo: dict):
+        # numpy on the host side: its small ops cost ~1 us where torch's cost ~10 (Triton requires numpy)
+        self.rows, self.host, self.grads, self.memo = rows, host.numpy(), grads, memo
+        self.addr_column, self.aligned_column, self.other_aligned = addr_column, aligned_column, other_aligned.numpy()
+        self.count = len(grads)
+        self.modulus = numpy.array([4 * g.element_size() for g in grads], dtype=numpy.int64)
+        self.addresses = list(map(Tensor.data_ptr, grads))
+        self.built_in_capture = capturing(device)
+        self.device = device
+
+    def for_grads(self, grads: list) -> Rows | None:
+        """The table for ``grads``, or None when their count differs. The caller promises the rest
+        (dtypes, shapes, strides unchanged: ``ampfused._plan`` checks them), so nothing else is read."""
+        now_capturing = capturing(self.device)
+        if grads is not self.grads or (self.built_in_capture and not now_capturing):
+            if len(grads) != self.count:
+                return None
+            addresses, column = grad_addresses(grads, self.memo)
+            if addresses != self.addresses or (self.built_in_capture and not now_capturing):
+                host = self.host.copy()
+                host[:, self.addr_column] = column
+                host[:, self.aligned_column] = self.other_aligned & (column % self.modulus == 0)
+                data, pinned = upload(torch.from_numpy(host), self.device)
+                self.rows, self.host, self.addresses = Rows(rows=data, n_tensors=host.shape[0], host=pinned), host, addresses
+                self.built_in_capture = now_capturing
+            self.grads = grads
+        if now_capturing and not any(r is self.rows for r in _retained):
+            _retained.append(self.rows)  # a graph replays these addresses: see [note: cuda graphs]
+        return self.rows
+
+
+def grad_addresses(grads: list, memo: dict) -> tuple[list, numpy.ndarray]:
+    """(``data_ptr()`` of every grad, as an int64 array too), read once per grads list: the stats
+    and update passes of a step get the same list."""
+    cached = memo.get("grad addresses")
+    if cached is not None and cached[0] is grads:
+        return cached[1], cached[2]
+    addresses = list(map(Tensor.data_ptr, grads))
+    column = numpy.array(addresses, dtype=numpy.int64)
+    memo["grad addresses"] = (grads, addresses, column)
+    return addresses, column
+
+
 def clear() -> None:
     """Forget every cached table (tests; entries kept for captured graphs are kept)."""
     _cache.clear()
@@ -126,17 +199,14 @@ def chunk_layout(numels: Sequence[int], chunk: int) -> Tensor:
     return torch.stack([tensor_index, local * chunk], dim=1)
 
 
-def layout(kind: str, numels: tuple, device: torch.device, chunk: int, grid_of: Callable[[int], int] | None = None,
-           partials: bool = False) -> Layout:
+def layout(kind: str, numels: tuple, device: torch.device, chunk: int, grid_of: Callable[[int], int] | None = None) -> Layout:
     """The cached chunk layout of tensors with ``numels`` elements (``grid_of(n_chunks)`` programs)."""
     def build() -> Layout:
         host = chunk_layout(numels, chunk)
         data, pinned = upload(host.reshape(-1), device)
         n_chunks = host.shape[0]
         grid = grid_of(n_chunks) if grid_of else n_chunks
-        return Layout(chunks=data.view(n_chunks, 2), n_chunks=n_chunks, grid=grid,
-                      retired=torch.zeros(1, dtype=torch.int32, device=device),
-                      partials=torch.empty(2 * grid, dtype=torch.float32, device=device) if partials else None, host=pinned)
+        return Layout(chunks=data.view(n_chunks, 2), n_chunks=n_chunks, grid=grid, host=pinned)
 
     return cached(kind + "-layout", (kind, "layout", device, chunk, numels), device, build)
 
@@ -146,7 +216,7 @@ def row_table(kind: str, key: Hashable, device: torch.device, build_rows: Callab
     def build() -> Rows:
         host = torch.tensor(build_rows(), dtype=torch.int64)
         data, pinned = upload(host, device)
-        return Rows(rows=data, n_tensors=host.shape[0], host=pinned)
+        return Rows(rows=data, n_tensors=host.shape[0], host=pinned, source=host)
 
     return cached(kind + "-rows", (kind, "rows", device, key), device, build)
 

@@ -10,8 +10,9 @@ the loops are ``while`` loops.
 """
 from __future__ import annotations
 
+import operator
 import struct
-from itertools import chain
+from itertools import chain, groupby
 
 import torch
 import triton
@@ -239,32 +240,62 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0] if abs(x) < 3.4e38 else x
 
 
-@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[-1] if args else None).device)
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor) -> None:
-    """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract."""
+@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[8] if len(args) > 8 else None).device)
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
+                  scratch=None) -> None:
+    """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract.
+
+    ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
+    a step reads the grads' addresses and the group values only ([note: host time] in ``_tables``).
+    """
     if not params:
         return
     device = params[0].device
-    grads = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
     group_of, group_keys, slot_lrs, keep_alive = _group_rows(hypers, device)
-    numels = tuple(p.numel() for p in params)
-    layout = _tables.layout("update", numels, device, _runtime.CHUNK)
-    key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, grads)),
-           tuple(t.data_ptr() for t in chain(exp_avgs, exp_avg_sqs, steps)),
-           tuple(0 if t is None else t.data_ptr() for t in chain(max_exp_avg_sqs, masters)))
-    rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device))
+    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters)
+    memo = scratch.memo.get(("update", device)) if scratch is not None else None
+    rows = None
+    if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):
+        rows = memo[3].for_grads(grads)
+    if rows is not None:
+        layout = memo[1]
+    else:
+        layout, rows = _tables_of(lists, grads, group_of, group_keys, device, scratch)
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
+    _, counter, _ = _tables.scratch_views(scratch, device)
     _adamw_update_kernel[(layout.n_chunks,)](
-        rows.rows, layout.chunks, groups[0], stats, layout.retired, rows.n_tensors, layout.n_chunks, *lr_args,
+        rows.rows, layout.chunks, groups[0], stats, counter, rows.n_tensors, layout.n_chunks, *lr_args,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", num_warps=_runtime.NUM_WARPS,
         **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         enable_fp_fusion=False)
+
+
+def _tables_of(lists, grads, group_of, group_keys, device, scratch):
+    """(layout, row table) of one update, every tensor checked; memoized in ``scratch`` when the
+    kernel reads the grads as they are."""
+    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = lists
+    laid_out = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
+    numels = tuple(p.numel() for p in params)
+    layout = _tables.layout("update", numels, device, _runtime.CHUNK)
+    key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, laid_out)),
+           tuple(t.data_ptr() for t in chain(exp_avgs, exp_avg_sqs, steps)),
+           tuple(0 if t is None else t.data_ptr() for t in chain(max_exp_avg_sqs, masters)))
+    rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
+        params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device))
+    if scratch is not None and all(map(operator.is_, laid_out, grads)):  # (a copy would move every step)
+        source = rows.source
+        other_aligned = torch.ones(rows.n_tensors, dtype=torch.int64)
+        for column, element_sizes in ((PARAM, torch.tensor([4 * p.element_size() for p in params])),
+                                      (EXP_AVG, 16), (EXP_AVG_SQ, 16), (MAX_EXP_AVG_SQ, 16), (MASTER, 16)):
+            other_aligned &= (source[:, int(column)] % element_sizes == 0).long()
+        scratch.memo[("update", device)] = (lists, layout, group_of, _tables.ScratchRows(
+            rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo))
+    return layout, rows
 
 
 def _group_rows(hypers, device):
@@ -282,12 +313,14 @@ def _group_rows(hypers, device):
     index_of_key: dict[tuple, int] = {}
     slot_of_lr: dict[float, int] = {}
     keep_alive: list[Tensor] = []
-    group_of = []
-    for h in hypers:
+    group_of: list[int] = []
+    for _, run in groupby(hypers, key=id):  # a run of one Hyper object: O(1) Python ([note: host time])
+        run = list(run)
+        h = run[0]
         key = key_of_hyper.get(id(h))
         if key is None:
             key = key_of_hyper[id(h)] = _group_key(h, device, keep_alive, slot_of_lr)
-        group_of.append(index_of_key.setdefault(key, len(index_of_key)))
+        group_of += [index_of_key.setdefault(key, len(index_of_key))] * len(run)
     return tuple(group_of), tuple(index_of_key), list(slot_of_lr), keep_alive
 
 

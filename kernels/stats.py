@@ -18,6 +18,9 @@ array), and CI checks these kernels in the interpreter. Compiled, both are the s
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -107,23 +110,42 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         tl.store(retired_ptr, 0)
 
 
-@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats: stats.device)
+@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats, scratch=None: stats.device)
 def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None,
-                stats: Tensor) -> None:
-    """Sum of squares, non-finite flag and finish into ``stats``; one launch, no host sync."""
+                stats: Tensor, scratch=None) -> None:
+    """Sum of squares, non-finite flag and finish into ``stats``; one launch, no host sync.
+
+    ``scratch``: the caller's counters and partials, and a memo of its tables (``_tables.ScratchRows``).
+    """
     device = stats.device
-    grads = _tables.dense_inputs(grads)
-    numels = tuple(g.numel() for g in grads)
-    layout = _tables.layout("stats", numels, device, _runtime.CHUNK,
-                            lambda n: _runtime.persistent_grid(n, device), partials=True)
-    key = tuple((g.data_ptr(), g.dtype) for g in grads)
-    rows = _tables.row_table("stats", (numels, key), device, lambda: _build_rows(grads, device))
+    memo = scratch.memo.get(("stats", device)) if scratch is not None else None
+    rows = memo[1].for_grads(grads) if memo is not None else None
+    if rows is not None:
+        layout = memo[0]
+    else:
+        layout, rows = _tables_of(grads, device, scratch)
+    counter, _, partials = _tables.scratch_views(scratch, device)
     _grad_stats_kernel[(layout.grid,)](
         rows.rows, layout.chunks, grad_scale if grad_scale is not None else stats,
-        found_inf if found_inf is not None else stats, stats, layout.partials, layout.retired, layout.n_chunks,
+        found_inf if found_inf is not None else stats, stats, partials, counter, layout.n_chunks,
         float(max_grad_norm) if max_grad_norm is not None else 0.0,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, CLIP=max_grad_norm is not None,
         BLOCK=_runtime.BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, num_warps=_runtime.NUM_WARPS)
+
+
+def _tables_of(grads, device, scratch):
+    """(layout, row table) of ``grads``, checked; memoized in ``scratch`` when the kernel reads them as they are."""
+    dense = _tables.dense_inputs(grads)
+    numels = tuple(g.numel() for g in dense)
+    layout = _tables.layout("stats", numels, device, _runtime.CHUNK, lambda n: _runtime.persistent_grid(n, device))
+    key = tuple((g.data_ptr(), g.dtype) for g in dense)
+    rows = _tables.row_table("stats", (numels, key), device, lambda: _build_rows(dense, device))
+    if scratch is not None and all(map(operator.is_, dense, grads)):  # (a copy would move every step)
+        other_aligned = torch.ones(rows.n_tensors, dtype=torch.int64)
+        scratch.memo[("stats", device)] = (layout, _tables.ScratchRows(rows, rows.source, list(grads), int(GRAD_ADDR),
+                                                                        int(ALIGNED_ROW), other_aligned, device,
+                                                                        scratch.memo))
+    return layout, rows
 
 
 def _build_rows(grads, device) -> list:

@@ -65,7 +65,7 @@ void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
 
 void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                     const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
-                    const at::Tensor& stats) {
+                    const at::Tensor& stats, const std::optional<at::Tensor>& /*scratch: unused on CPU*/) {
   check_stats(grads, grad_scale, found_inf, stats);
   TORCH_CHECK(stats.device().is_cpu(), "ampfused::grad_stats (CPU) got stats on ", stats.device());
   const float inv = inv_scale_of(grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
@@ -102,7 +102,8 @@ void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList masters, at::IntArrayRef groups,
                       at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                       at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
+                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
+                      const std::optional<at::Tensor>& /*scratch: unused on CPU*/) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
                                    lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;

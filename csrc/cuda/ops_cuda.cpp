@@ -1,7 +1,7 @@
 // CUDA implementations of the ampfused ops: argument checks, the cached device tables of
 // multi_tensor.h, and the launches (passes.cu). Host code only; compiled by the host compiler.
 //
-// [note: table cache] Each pass has two cached tables: the chunk layout (plus the launch scratch),
+// [note: table cache] Each pass has two cached tables: the chunk layout (and its grid),
 // keyed by the element counts only, and the tensor entries, keyed by every pointer, size, dtype
 // and group index they encode. A new address (autograd allocating p.grad elsewhere) therefore
 // uploads O(tensors) bytes of entries and never rebuilds the layout (~820k chunks at 7B). A few
@@ -61,20 +61,40 @@ bool aligned4(const void* ptr, int64_t element_size) {
 
 int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
 
-// One uploaded buffer: `host` (pinned) is kept alive for the async copy and graph replays.
+// One uploaded buffer: `host` (pinned) is kept alive for the async copy and graph replays. Tables
+// are read-only on the device: what a launch writes lives in the caller's scratch (below).
 struct Table {
   std::vector<int64_t> key;
   at::Tensor host;
   at::Tensor device;
-  at::Tensor scratch;  // layouts only: [counter (8 bytes)] [partials: 2 x grid doubles]
   int64_t n_chunks = 0;
   int grid = 1;
   bool built_in_capture = false;  // empty until the capturing graph first replays
 
   const void* data() const { return device.data_ptr(); }
-  unsigned int* counter() const { return reinterpret_cast<unsigned int*>(scratch.data_ptr()); }
-  double* partials() const { return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + 8); }
 };
+
+// [note: scratch] (csrc/ops.cpp) bytes [0, 8): the stats ticket counter, [8, 16): the update's,
+// [16, ...): the stats partials, two doubles per block. Owned by the caller (one per optimizer), so
+// no counter is shared between optimizers, streams or graphs; without one a launch gets a fresh
+// zeroed buffer (a memset on the stream; inside a capture it lives in the graph's pool).
+constexpr int64_t kScratchBytes = 16 + 16 * static_cast<int64_t>(kMaxGrid);
+
+at::Tensor scratch_or_fresh(const std::optional<at::Tensor>& scratch, const at::Device& device, const char* op) {
+  if (!scratch.has_value()) return at::zeros({kScratchBytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  const at::Tensor& s = *scratch;
+  TORCH_CHECK(s.device() == device && s.scalar_type() == at::kByte && s.is_contiguous() && s.numel() >= kScratchBytes,
+              op, ": scratch must be a contiguous uint8 tensor of at least ", kScratchBytes, " bytes on ", device,
+              ", got ", s.scalar_type(), " of ", s.numel(), " on ", s.device());
+  return s;
+}
+unsigned int* stats_counter(const at::Tensor& scratch) { return reinterpret_cast<unsigned int*>(scratch.data_ptr()); }
+unsigned int* update_counter(const at::Tensor& scratch) {
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(scratch.data_ptr()) + 8);
+}
+double* stats_partials(const at::Tensor& scratch) {
+  return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + 16);
+}
 
 std::shared_ptr<Table> upload(std::vector<int64_t> key, const void* bytes, int64_t n_bytes, const at::Device& device) {
   auto table = std::make_shared<Table>();
@@ -87,7 +107,7 @@ std::shared_ptr<Table> upload(std::vector<int64_t> key, const void* bytes, int64
   return table;
 }
 
-// The chunk layout of tensors of `numels` elements, with the scratch of a launch of `blocks_per_sm`.
+// The chunk layout of tensors of `numels` elements, and the grid of a launch of `blocks_per_sm`.
 std::shared_ptr<Table> build_layout(std::vector<int64_t> key, const std::vector<int64_t>& numels, const at::Device& device,
                                     int blocks_per_sm) {
   std::vector<Chunk> chunks;
@@ -97,7 +117,6 @@ std::shared_ptr<Table> build_layout(std::vector<int64_t> key, const std::vector<
   auto table = upload(std::move(key), chunks.data(), static_cast<int64_t>(chunks.size() * sizeof(Chunk)), device);
   table->n_chunks = static_cast<int64_t>(chunks.size());
   table->grid = grid_for(table->n_chunks, device.index(), blocks_per_sm);
-  table->scratch = at::zeros({8 + 16 * static_cast<int64_t>(table->grid)}, at::TensorOptions().dtype(at::kByte).device(device));
   return table;
 }
 
@@ -172,7 +191,7 @@ void accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& grad) {
 
 void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
-                     const at::Tensor& stats) {
+                     const at::Tensor& stats, const std::optional<at::Tensor>& scratch) {
   check_stats(grads, grad_scale, found_inf, stats);
   TORCH_CHECK(stats.is_cuda(), "ampfused::grad_stats (CUDA) got stats on ", stats.device());
   const at::Device device = stats.device();
@@ -205,8 +224,9 @@ void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad
   p.clip = max_grad_norm.has_value() ? 1 : 0;
   p.max_grad_norm = static_cast<float>(max_grad_norm.value_or(0.0));
   p.stats = stats.data_ptr<float>();
-  p.partials = layout->partials();
-  p.counter = layout->counter();
+  const at::Tensor launch_scratch = scratch_or_fresh(scratch, device, "ampfused::grad_stats");
+  p.partials = stats_partials(launch_scratch);
+  p.counter = stats_counter(launch_scratch);
   C10_CUDA_CHECK(launch_stats(p, layout->grid, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -215,7 +235,8 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList masters, at::IntArrayRef groups,
                        at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                        at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
+                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
+                       const std::optional<at::Tensor>& scratch) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
                                    lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;
@@ -285,7 +306,8 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   p.n_tensors = static_cast<int32_t>(entries.size());
   p.n_groups = static_cast<int32_t>(hyper.size());
   p.stats = stats.data_ptr<float>();
-  p.counter = layout->counter();
+  const at::Tensor launch_scratch = scratch_or_fresh(scratch, device, "ampfused::adamw_update");
+  p.counter = update_counter(launch_scratch);
   at::Tensor group_table;
   if (hyper.size() <= static_cast<size_t>(kInlineGroups)) {
     std::copy(hyper.begin(), hyper.end(), p.inline_groups);
