@@ -132,7 +132,7 @@ def registers(kernel):
 
 sizes = dict(CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK)
 lr_args = {f"lr{i}_{part}": "fp32" for i in range(adamw.LR_SLOTS) for part in ("hi", "mid", "lo")}
-update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
+update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", grad_scale_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
                   n_programs="i32", **lr_args)
 update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False),
                         num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
@@ -147,6 +147,13 @@ body = ptx[ptx.index("ld.global.v4"):]
 assert body[:body.index("mul.rn.f32")].count("ld.global.v4") >= 4, "update: math before the g, w, m, v loads"
 assert regs <= 64, f"update kernel uses {regs} registers at {_runtime.NUM_WARPS} warps: below full occupancy"
 assert spills <= 16, f"update kernel spills {spills} bytes"
+# the variant that also writes the unscaled gradient back (a scaled step, DESIGN 2.7)
+update_w = compile_kernel(adamw._adamw_update_kernel, update_sig,
+                          dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=True),
+                          num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
+regs_w, spills_w = registers(update_w)
+print("update (writes grads) registers", regs_w, "spills", spills_w)
+assert regs_w <= 64 and spills_w <= 16, f"update kernel writing grads: {regs_w} registers, {spills_w} spill bytes"
 for flags in ((True, True, True), (False, False, False)):
     has_scale, has_found_inf, clip = flags
     k = compile_kernel(stats._grad_stats_kernel,
