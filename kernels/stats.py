@@ -85,8 +85,10 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         sumsq = tl.sum(tl.load(partials_ptr + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         flag = tl.sum(tl.load(partials_ptr + n_programs + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         norm = tl.sqrt_rn(sumsq)
-        # NaN != 0 as well; CHECK_NONFINITE False (skip_nonfinite=False without a scaler): only found_inf skips
-        skip = (flag != 0.0) & CHECK_NONFINITE
+        if CHECK_NONFINITE:
+            skip = flag != 0.0  # NaN != 0 as well
+        else:  # skip_nonfinite=False without a scaler: only found_inf skips (a sum of squares is never < 0)
+            skip = sumsq < 0.0
         if HAS_FOUND_INF:
             skip = skip | (tl.load(found_inf_ptr) != 0.0)
         factor = inv_scale
