@@ -116,6 +116,14 @@ def _as_kernel_input(t: Tensor, like: Tensor | None = None) -> Tensor:
     return torch.empty_like(like, dtype=t.dtype).copy_(t.view(like.shape) if t.is_contiguous() else t.reshape(like.shape))
 
 
+def copy_back_unscaled(grads, kernel_grads) -> None:
+    """Where the kernel wrote the unscaled gradient into a re-laid-out copy, the caller's grad gets it
+    (rare: a grad whose strides differ from its param's; the optimizer hands over matching ones)."""
+    for g, k in zip(grads, kernel_grads):
+        if k is not g:
+            g.copy_(k.view(g.shape) if k.is_contiguous() and g.is_contiguous() else k.reshape(g.shape))
+
+
 class CompiledBackend:
     """The three passes of ``_backends`` over ``torch.ops.ampfused`` for one device type."""
 
@@ -140,13 +148,13 @@ class CompiledBackend:
         torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad, main_grad))
 
     def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
-                    max_grad_norm: float | None, stats: Tensor, scratch=None) -> None:
+                    max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
         torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], grad_scale, found_inf,
                                       None if max_grad_norm is None else float(max_grad_norm), stats,
-                                      self._scratch_buffer(scratch, stats.device))
+                                      self._scratch_buffer(scratch, stats.device), check_nonfinite)
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
-                      stats: Tensor, scratch=None) -> None:
+                      stats: Tensor, scratch=None, *, grad_scale: Tensor | None = None) -> None:
         # Tensors share a group when their hyperparameters are equal (a tensor lr by identity), so
         # the kernels see a handful of groups whether the caller built one Hyper per group or per tensor.
         index: dict[tuple, int] = {}
@@ -175,10 +183,14 @@ class CompiledBackend:
             groups.append(g)
         # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
         none = self._empty(params[0].device) if params else None
+        kernel_grads = [_as_kernel_input(g, p) for g, p in zip(grads, params)]
         torch.ops.ampfused.adamw_update(
-            list(params), [_as_kernel_input(g, p) for g, p in zip(grads, params)], list(exp_avgs), list(exp_avg_sqs),
+            list(params), kernel_grads, list(exp_avgs), list(exp_avg_sqs),
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
-            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats, self._scratch_buffer(scratch, stats.device))
+            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats, self._scratch_buffer(scratch, stats.device),
+            grad_scale)
+        if grad_scale is not None:
+            copy_back_unscaled(grads, kernel_grads)
 
     def scaler_update_(self, found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
                        *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale) -> None:

@@ -5,12 +5,17 @@ A step is two passes that talk through one small device vector, ``stats`` (fp32 
 1. **stats** -- ``sumsq = sum((g / S)^2)`` and a flag for any inf/NaN element, over every gradient
    of every group, then, in the same launch, the **finish**: ``norm = sqrt(sumsq)``,
    ``skip = flag or found_inf``, ``factor = min(1, c / (norm + 1e-6)) / S``;
-2. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set.
+2. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set; after a
+   scaled step it also writes the unscaled gradient ``g / S`` back into the grads (torch's fused
+   AdamW does the same), unless ``keep_scaled_grads``.
 
 Nothing in between runs on the host or launches anything: a step is two launches on a GPU.
+[note: the plain step] With ``skip_nonfinite=False``, no scaler and no clipping, nothing needs the
+stats: the update runs alone on a constant stats vector (factor 1, no skip), one pass, as torch.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 import torch
@@ -96,19 +101,28 @@ def fused_amp_adamw(
     max_grad_norm: float | None = None,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    skip_nonfinite: bool = True,
+    keep_scaled_grads: bool = False,
     backend: str | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor]:
     r"""Functional form of :class:`ampfused.FusedAmpAdamW`: one fused AMP AdamW step.
 
     All lists are parallel (one entry per tensor). Hyperparameters are a scalar for all tensors or a
     sequence with one entry per tensor. ``state_steps`` are 0-d fp32 tensors on the params' device.
     ``max_exp_avg_sqs`` / ``master_params`` entries may be ``None`` (no AMSGrad / fp32 param).
     ``grad_scale`` is the loss scale the grads carry, ``found_inf`` a device flag from an earlier
-    inf check (non-zero skips the step).
+    inf check (non-zero skips the step). With ``grad_scale``, the grads hold the unscaled
+    gradient ``g / grad_scale`` afterwards (as torch's fused AdamW leaves them; a skipped step
+    leaves them as they were), unless ``keep_scaled_grads=True``. ``skip_nonfinite=False`` turns
+    the inf/NaN guard off when neither ``grad_scale`` nor ``found_inf`` is given: non-finite
+    gradients flow into the update as in ``torch.optim.AdamW``.
 
     Returns ``(grad_norm, skipped)``: the L2 norm of the unscaled grads before clipping (non-finite
-    when the step was skipped) and a 0-d fp32 flag, both on the device; nothing is synchronized.
+    when the step was skipped; ``None`` when nothing computed it: ``skip_nonfinite=False`` without
+    scaler and clipping) and a 0-d fp32 flag, both on the device; nothing is synchronized.
     """
+    check_flag(skip_nonfinite, "skip_nonfinite")
+    check_flag(keep_scaled_grads, "keep_scaled_grads")
     n = len(params)
     lists = (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
     if any(len(x) != n for x in lists) or (master_params is not None and len(master_params) != n):
@@ -130,13 +144,39 @@ def fused_amp_adamw(
     (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
     return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
-                    reduce_stats=reduce_stats)
+                    skip_nonfinite=skip_nonfinite, keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats)
+
+
+def check_flag(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+
+
+def needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite: bool) -> bool:
+    """Whether a step runs the stats pass: for a scaler, for clipping, or for the inf/NaN guard."""
+    return skip_nonfinite or grad_scale is not None or found_inf is not None or max_grad_norm is not None
+
+
+_PLAIN_STATS: dict[torch.device, Tensor] = {}
+
+
+def _plain_stats(device: torch.device) -> Tensor:
+    """The stats vector of a step without stats pass: factor 1, no skip (only ever read)."""
+    stats = _PLAIN_STATS.get(device)
+    if stats is None:
+        stats = torch.zeros(STATS_SIZE, dtype=torch.float32, device=device)
+        stats[FACTOR] = 1.0
+        stats[NORM] = stats[SUMSQ] = math.nan  # not computed
+        _PLAIN_STATS[device] = stats
+    return stats
 
 
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
-             reduce_stats=None, scratch: Scratch | None = None) -> tuple[Tensor, Tensor]:
+             skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None, scratch: Scratch | None = None
+             ) -> tuple[Tensor | None, Tensor]:
     """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
-    are 0-d views of one fresh device vector.
+    are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
+    zero without stats pass, see [note: the plain step]).
 
     ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
     skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
@@ -151,13 +191,23 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = torch.ones((), dtype=torch.float32, device=device) if found_inf else None
     elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
+    # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
+    unscale_into_grads = None if keep_scaled_grads else grad_scale
+    if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
+        stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
+        backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats,
+                              scratch=scratch)
+        return None, stats[SKIP]
+    # a scaler always skips on inf/NaN: the guard is off only without one
+    check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
-    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats, scratch=scratch)
+    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats, scratch=scratch, check_nonfinite=check_nonfinite)
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         from .reference import finish_  # the finish's spec (reference imports this module's slot names)
 
-        finish_(stats, grad_scale, None, max_grad_norm)
-    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats, scratch=scratch)
+        finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
+    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats,
+                          scratch=scratch, grad_scale=unscale_into_grads)
     return stats[NORM], stats[SKIP]

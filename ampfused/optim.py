@@ -77,6 +77,16 @@ class FusedAmpAdamW(Optimizer):
             value inside the step (``torch.nn.utils.clip_grad_norm_`` semantics).
         master_weights (bool, optional): keep fp32 master copies of fp16/bf16 params in
             ``state["master_param"]``. ``None``: on for every fp16/bf16 param.
+        skip_nonfinite (bool): ``True`` (default): a step whose gradients hold an inf/NaN is
+            skipped, with or without a scaler. ``False``: without a scaler the guard is off and
+            non-finite gradients flow into the update as in :class:`torch.optim.AdamW` (with
+            ``max_grad_norm``, as ``clip_grad_norm_`` scales them); a plain step (no scaler, no
+            clipping) is then one pass, and ``opt.grad_norm`` is ``None`` (nothing computes it).
+            A scaler's steps are always checked and skipped.
+        keep_scaled_grads (bool): after a scaled step (``scaler.step(opt)`` without an earlier
+            ``unscale_``), ``p.grad`` holds the unscaled gradient ``g / S``, as torch's fused AdamW
+            leaves it (a skipped step leaves it scaled, as torch does). ``True`` keeps the scaled
+            gradient and saves that write (4 B per param for fp32 gradients).
         fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients in fp32 during
             backward: ``p.grad`` is then an fp32 tensor (a view of optimizer-owned flat storage, also
             reachable as ``p.main_grad``) that ``clip_grad_norm_``, ``torch.amp.GradScaler`` and hooks
@@ -93,18 +103,26 @@ class FusedAmpAdamW(Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale/found_inf
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, max_grad_norm=None, master_weights=None, fp32_grad_accumulation=None, backend=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 maximize=False, max_grad_norm=None, master_weights=None, skip_nonfinite=True, keep_scaled_grads=False,
+                 fp32_grad_accumulation=None, backend=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False):
         # foreach/fused/capturable are accepted so torch.optim.AdamW call sites keep working: this
         # optimizer is always fused and capturable (see [note: implementation keys]).
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a positive finite float or None)")
+        functional.check_flag(skip_nonfinite, "skip_nonfinite")
+        functional.check_flag(keep_scaled_grads, "keep_scaled_grads")
         if differentiable:
             raise ValueError("differentiable=True is not supported by FusedAmpAdamW")
         if backend is not None:
             _backends.check_name(backend)
+        # [note: optimizer-wide options] like max_grad_norm, these two act on the whole step (one stats
+        # pass over every group), so they are attributes, not param-group keys: torch's state_dict
+        # carries only groups and state, and a checkpoint stays loadable into torch.optim.AdamW
         self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.keep_scaled_grads = keep_scaled_grads
         self.master_weights = master_weights
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.grad_norm: Tensor | None = None
@@ -141,12 +159,15 @@ class FusedAmpAdamW(Optimizer):
     def __getstate__(self) -> dict:
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
                 "max_grad_norm": self.max_grad_norm, "master_weights": self.master_weights,
+                "skip_nonfinite": self.skip_nonfinite, "keep_scaled_grads": self.keep_scaled_grads,
                 "fp32_grad_accumulation": self.fp32_grad_accumulation, "grad_norm": self.grad_norm,
                 "_backend_name": self._backend_name, "_masters_pending": self._masters_pending}
 
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / pickle / torch.load: flat state, main grads and hooks rebuilt on the (copied) params."""
         pending = state.pop("_masters_pending", [])
+        state.setdefault("skip_nonfinite", True)  # pickled before these options existed
+        state.setdefault("keep_scaled_grads", False)
         super().__setstate__(state)
         self._init_runtime()
         self._masters_pending = pending
@@ -165,6 +186,7 @@ class FusedAmpAdamW(Optimizer):
         accumulated = sum(self._uses_main_grad(p) for p in low)
         backend = self._backend.NAME if self._backend is not None else (self._backend_name or "auto (resolved at the first step)")
         lines.insert(1, f"  backend: {backend}, max_grad_norm: {self.max_grad_norm}, "
+                        f"skip_nonfinite: {self.skip_nonfinite}, keep_scaled_grads: {self.keep_scaled_grads}, "
                         f"fp32 master weights: {masters} of {len(low)} fp16/bf16 params, "
                         f"fp32 grad accumulation: {accumulated} of {len(low)}")
         return "\n".join(lines)
@@ -370,7 +392,8 @@ class FusedAmpAdamW(Optimizer):
         if self._masters_pending:
             self._copy_pending_masters()
         if not plan.params:
-            if self._zero_reducer is not None:  # [distributed] an empty ZeRO partition still joins
+            needs_stats = functional.needs_stats(grad_scale, found_inf, self.max_grad_norm, self.skip_nonfinite)
+            if self._zero_reducer is not None and needs_stats:  # [distributed] an empty ZeRO partition still joins
                 self._zero_reducer.join(self._device)
             return loss
         hypers = plan.hypers()
@@ -380,7 +403,8 @@ class FusedAmpAdamW(Optimizer):
             lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
             self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
-            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats,
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+            skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
             scratch=plan.scratch)
         self._skipped = skipped
         return loss

@@ -33,7 +33,7 @@ def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
 
 
 def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
-                max_grad_norm: float | None, stats: Tensor, scratch=None) -> None:
+                max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
     """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
     (unscale first, as torch does), then :func:`finish_`: see ``_backends`` for ``stats``."""
     inv_scale = inv_scale_of(grad_scale)
@@ -47,20 +47,25 @@ def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: T
         bad |= ~torch.isfinite(u).all()
     stats[SUMSQ] = sumsq
     stats[SKIP] = bad.float()
-    finish_(stats, grad_scale, found_inf, max_grad_norm)
+    finish_(stats, grad_scale, found_inf, max_grad_norm, check_nonfinite=check_nonfinite)
 
 
-def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None) -> None:
+def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None, *,
+            check_nonfinite: bool = True) -> None:
     """The stats pass's epilogue from ``stats[SUMSQ]`` and the element flag ``stats[SKIP]``.
 
     [note: skip only on elements] Only an inf/NaN element (or ``found_inf``) skips: a finite
     gradient whose fp32 sum of squares overflows has norm inf, steps unclipped without clipping,
     and with clipping gets ``coef = c / (inf + 1e-6) = 0`` -- both exactly what torch does.
     Kernel backends run this in the last program of their stats launch; a distributed caller can
-    all-reduce ``stats[SUMSQ]`` and ``stats[SKIP]`` and run it again.
+    all-reduce ``stats[SUMSQ]`` and ``stats[SKIP]`` and run it again. ``check_nonfinite=False``
+    (``skip_nonfinite=False`` without a scaler) ignores the element flag: only ``found_inf`` skips,
+    and a non-finite norm gives the coefficient ``clip_grad_norm_`` computes (0 for inf, NaN for NaN).
     """
     norm = stats[SUMSQ].sqrt()
     skip = stats[SKIP] != 0
+    if not check_nonfinite:
+        skip = torch.zeros_like(skip)
     if found_inf is not None:
         skip = skip | (found_inf.reshape(-1).sum() != 0)
     inv_scale = inv_scale_of(grad_scale)
@@ -74,12 +79,15 @@ def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, 
 
 
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
-                  scratch=None) -> None:
+                  scratch=None, *, grad_scale: Tensor | None = None) -> None:
     """One AdamW step per tensor; see ``_backends`` for the contract of every argument (no scratch needed)."""
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
+    inv_scale = inv_scale_of(grad_scale)
     for i in range(len(params)):
         _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i], hypers[i], factor, keep)
+        if inv_scale is not None:  # the unscaled gradient, in the grad's dtype (RNE), as torch's fused AdamW leaves it
+            grads[i].copy_(torch.where(keep, grads[i], (grads[i].float() * inv_scale).to(grads[i].dtype)))
 
 
 def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h, factor, keep) -> None:

@@ -212,7 +212,9 @@ def warm_up(names, device) -> None:
 
 
 def case_providers(case, names) -> list[str]:
-    """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question."""
+    """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question.
+    keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only."""
+    names = [n for n in names if case.config.loss_scaling or not n.endswith(providers.KEEP_SCALED)]
     return [n for n in names if n != "torch-foreach"] if case.host else names
 
 
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = configs.plan(plan_name, args.sweeps, args.sizes)
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
+    if backends:  # scaled rows both ways (p.grad unscaled, as torch, or kept scaled), for the first backend
+        names.insert(3, f"ampfused-{backends[0]}{providers.KEEP_SCALED}")
     env = environment(device, args.threads)
     env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]))
     print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "

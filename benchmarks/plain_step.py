@@ -1,15 +1,17 @@
 """The plainest drop-in, interleaved: fp32 params, no scaler, no clipping, at 1 and 2 threads.
 
 ``python -m ampfused.benchmarks.plain_step``: ``torch.optim.AdamW(fused=True).step()`` against
-``FusedAmpAdamW().step()`` -- and DeepSpeed's ``DeepSpeedCPUAdam`` when ``deepspeed`` is installed
+``FusedAmpAdamW().step()`` (the NaN guard on: ``ampfused``) and ``FusedAmpAdamW(skip_nonfinite=False)``
+(torch's own semantics, one pass: ``ampfused-plain``) -- and DeepSpeed's ``DeepSpeedCPUAdam`` when ``deepspeed`` is installed
 (its cpu_adam op is built on first use, about a minute) -- on the same GPT-2-like 4M-param shapes
 and values, 40 alternating steps per thread count. Before any number is printed, every optimizer's
 params and moments are checked against stock torch's. Prints the medians, the ratios and each
 side's 1->2-thread speedup.
 
-This is the case where ampfused moves more bytes than the optimizers without a NaN guard (32 vs
-28 B/param: DESIGN §2.2 makes the guard read every gradient before the first write); see
-docs/design.md, "Where the NaN guard's pass goes".
+This is the case where the default ampfused moves more bytes than the optimizers without a NaN
+guard (32 vs 28 B/param: DESIGN §2.2 makes the guard read every gradient before the first write);
+``skip_nonfinite=False`` drops that pass and moves torch's 28 B/param. See docs/design.md, "Where
+the NaN guard's pass goes".
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _optimizer(kind: str, sizes: list[int], ds_cls):
         return torch.optim.AdamW(params, fused=True)
     if kind == "deepspeed":
         return ds_cls(params, adamw_mode=True, weight_decay=0.01)  # torch AdamW's default; DeepSpeed's is 0
-    return ampfused.FusedAmpAdamW(params)
+    return ampfused.FusedAmpAdamW(params, skip_nonfinite=kind != "ampfused-plain")
 
 
 def _check_same(reference, other, name: str) -> None:
@@ -57,7 +59,7 @@ def _check_same(reference, other, name: str) -> None:
 def main(total: int = 4_000_000, rounds: int = 40) -> None:
     sizes = list(shape_set("gpt2-like", total).sizes)
     ds_cls, why = _deepspeed_adam()
-    kinds = ["torch", "ampfused"] + (["deepspeed"] if ds_cls is not None else [])
+    kinds = ["torch", "ampfused", "ampfused-plain"] + (["deepspeed"] if ds_cls is not None else [])
     if ds_cls is None:
         print(f"DeepSpeedCPUAdam not measured ({why})")
     medians = {}

@@ -20,6 +20,9 @@ step and the next forward, plus folding each micro-batch's gradient for low-prec
   else ``p.grad += g`` in place into the fp32 gradient (on a CPU ``ampfused::accumulate``, as the
   optimizer's C++ pre-hook on the AccumulateGrad node does it), then the post-accumulate-grad hooks; then
   ``scaler.step(opt)``; ``scaler.update()``; ``opt.zero_grad()`` (``p.grad = None``, no zeroing pass).
+  After a scaled step ``p.grad`` holds the unscaled gradient, as torch's fused AdamW leaves it.
+* ``ampfused-<backend>+keep_scaled_grads`` -- the same with ``keep_scaled_grads=True`` (scaled cases
+  only): ``p.grad`` keeps the scale, one 4 B/param write less.
 
 [note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
 loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
@@ -39,6 +42,7 @@ from . import measure
 from .configs import BETAS, EPS, GRAD_STD, GROWTH_INTERVAL, INIT_SCALE, LR, MAX_GRAD_NORM, WEIGHT_DECAY, Case
 
 STOCK = ("torch-foreach", "torch-fused")
+KEEP_SCALED = "+keep_scaled_grads"  # provider-name suffix: FusedAmpAdamW(keep_scaled_grads=True)
 
 
 class FreshGrads:
@@ -164,13 +168,14 @@ class StockAdamW(Provider):
 
 
 class AmpfusedAdamW(Provider):
-    def __init__(self, case, data, device, backend: str):
+    def __init__(self, case, data, device, backend: str, keep_scaled_grads: bool = False):
         super().__init__(case, data, device)
-        self.name = f"ampfused-{backend}"
+        self.name = f"ampfused-{backend}" + (KEEP_SCALED if keep_scaled_grads else "")
         cfg = self.config
         self.params = [torch.nn.Parameter(t.to(cfg.torch_dtype, copy=True)) for t in data.init]
         self.opt = ampfused.FusedAmpAdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                          max_grad_norm=MAX_GRAD_NORM if cfg.clip else None, backend=backend)
+                                          max_grad_norm=MAX_GRAD_NORM if cfg.clip else None,
+                                          keep_scaled_grads=keep_scaled_grads, backend=backend)
         self.scaler = ampfused.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
                                           enabled=cfg.loss_scaling)
         _init_scale(self.scaler, device)
@@ -188,6 +193,8 @@ class AmpfusedAdamW(Provider):
     def restore_grads(self) -> None:
         if self.fresh is not None:
             self.fresh.restore(self.data.grads[0])
+        elif not self.config.low_precision:  # a scaled step wrote the unscaled gradient into p.grad
+            torch._foreach_copy_([p.grad for p in self.params], self.data.grads[0])
 
     def step(self) -> None:
         if self.fresh is not None:
@@ -226,7 +233,8 @@ class AmpfusedAdamW(Provider):
 def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provider:
     if name in STOCK:
         return StockAdamW(case, data, device, name.split("-", 1)[1])
-    return AmpfusedAdamW(case, data, device, name.split("-", 1)[1])
+    backend = name.split("-", 1)[1]
+    return AmpfusedAdamW(case, data, device, backend.removesuffix(KEEP_SCALED), keep_scaled_grads=backend.endswith(KEEP_SCALED))
 
 
 # ---------------------------------------------------------------- bytes model
@@ -244,10 +252,13 @@ def bytes_per_param(provider: str, case: Case) -> float:
     * stock, bf16/fp16 params: ``(L+4) + (N-1)(L+8) + 8s + 12c + 28 + (4+L)`` -- cast-copy of the
       first micro-batch, cast-add of the others, the fp32 step on the masters, and the copy of the
       masters into the params.
-    * ampfused, fp32 params: ``4 + 28 = 32`` -- stats pass (read g) and update pass, whatever s, c.
-    * ampfused, bf16/fp16: ``(L+4) + (N-1)(L+8) + 4 + (28+L)`` -- the first micro-batch written into
+    * ampfused, fp32 params: ``4 + 28 + 4k = 32 (+4)`` -- stats pass (read g) and update pass, whatever
+      c; ``k`` = 1 with a scaler unless ``keep_scaled_grads``: the update also writes the unscaled
+      gradient into ``p.grad`` (DESIGN §2.7).
+    * ampfused, bf16/fp16: ``(L+4) + (N-1)(L+8) + 4 + (28+L) + 4k`` -- the first micro-batch written into
       the fp32 ``p.grad`` (read g, write fp32), the others added in place (read g, read+write fp32),
-      stats pass, update pass (read p.grad, master, m, v; write master, m, v and the param).
+      stats pass, update pass (read p.grad, master, m, v; write master, m, v and the param; and
+      the fp32 ``p.grad`` when ``k``).
 
     [note: nominal bytes] This is the traffic of each implementation's passes at one read/write
     per operand; torch's foreach AdamW materializes intermediates and moves more, so its effective
@@ -264,6 +275,7 @@ def bytes_per_param(provider: str, case: Case) -> float:
         if not cfg.low_precision:
             return core
         return (lp + 4) + (n - 1) * (lp + 8) + core + (4 + lp)
+    grad_write = 4 * s * (not provider.endswith(KEEP_SCALED))
     if not cfg.low_precision:
-        return 32
-    return (lp + 4) + (n - 1) * (lp + 8) + 4 + (28 + lp)
+        return 32 + grad_write
+    return (lp + 4) + (n - 1) * (lp + 8) + 4 + (28 + lp) + grad_write

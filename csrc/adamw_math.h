@@ -171,14 +171,15 @@ AMPFUSED_HD float inv_scale_of(const float* grad_scale) {
 // [note: skip only on elements] `bad` says whether any unscaled element was inf/NaN; a finite sum
 // that overflowed is not one: its norm is inf and, with clipping, the coefficient 0 (as torch).
 // Writes stats[0..3]; reference.finish_ is the specification.
+// check_nonfinite = false (skip_nonfinite=False without a scaler): only found_inf skips.
 AMPFUSED_HD void finish_stats(float sumsq, bool bad, const float* found_inf, float inv_scale, bool clip, float max_norm,
-                              float* stats) {
+                              float* stats, bool check_nonfinite = true) {
 #if defined(__CUDA_ARCH__)
   const float norm = __fsqrt_rn(sumsq);
 #else
   const float norm = std::sqrt(sumsq);
 #endif
-  const bool skip = bad || (found_inf != nullptr && *found_inf != 0.0f);
+  const bool skip = (check_nonfinite && bad) || (found_inf != nullptr && *found_inf != 0.0f);
   float factor = inv_scale;
   if (clip) {
     // torch: (max_norm / (norm + 1e-6)).clamp(max=1), where float / tensor is reciprocal() * max_norm

@@ -18,15 +18,18 @@
 // the tickets and partials of the last-block logic. FusedAmpAdamW passes one per optimizer, so two
 // optimizers on two streams, or two replayed CUDA graphs, never share a counter; without it each
 // launch gets a fresh zeroed one. The CPU kernels need none and ignore it.
+//
+// adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7);
+// grad_stats with check_nonfinite=false lets only found_inf skip (skip_nonfinite=False).
 TORCH_LIBRARY(ampfused, m) {
   m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
   m.def("grad_stats(Tensor[] grads, Tensor? grad_scale, Tensor? found_inf, float? max_grad_norm, Tensor(a!) stats, "
-        "Tensor(b!)? scratch=None) -> ()");
+        "Tensor(b!)? scratch=None, bool check_nonfinite=True) -> ()");
   m.def(
-      "adamw_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "adamw_update(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
-      "Tensor stats, Tensor(g!)? scratch=None) -> ()");
+      "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None) -> ()");
   m.def(
       "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "

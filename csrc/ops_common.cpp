@@ -130,6 +130,12 @@ UpdateArgs collect_update(
   return out;
 }
 
+const float* grad_scale_ptr(const std::optional<at::Tensor>& grad_scale, const at::Device& device) {
+  if (!grad_scale.has_value()) return nullptr;
+  check_scalar(*grad_scale, device, "grad_scale");
+  return grad_scale->data_ptr<float>();
+}
+
 void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                  const std::optional<at::Tensor>& found_inf, const at::Tensor& stats) {
   const at::Device device = stats.device();

@@ -53,6 +53,9 @@ UpdateArgs collect_update(
     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
     at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats);
 
+// adamw_update's optional grad_scale (checked: one fp32 element on device), or nullptr.
+const float* grad_scale_ptr(const std::optional<at::Tensor>& grad_scale, const at::Device& device);
+
 // Checks for grad_stats; returns nothing, throws on bad input.
 void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                  const std::optional<at::Tensor>& found_inf, const at::Tensor& stats);

@@ -1,7 +1,9 @@
 """The update pass: AdamW on every tensor of every param group, in one launch.
 
 Grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale, written by the stats
-pass on the device); when ``stats[SKIP]`` is non-zero every program exits before writing anything. Math and order of
+pass on the device); when ``stats[SKIP]`` is non-zero every program exits before writing anything.
+With ``grad_scale`` (``WRITE_GRAD``) the unscaled gradient ``g * (1 / grad_scale)`` is stored back
+into the grad as the block goes (DESIGN §2.7: what torch's fused AdamW leaves in ``p.grad``). Math and order of
 operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 
 Layout: a row table (one row per tensor) and a chunk table (one row per program) from ``_tables``,
@@ -61,9 +63,10 @@ def _bias_corrections(beta1, beta2, step):
 
 
 @triton.jit
-def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, param_addr, param_dtype, grad_addr,
-                 grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
-                 factor, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size):
+def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, param_addr,
+                 param_dtype, grad_addr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master,
+                 amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt,
+                 eps, neg_step_size):
     """One block of one tensor: ``mask`` is None for a full block.
 
     [note: loads first] Every load is issued before any math, so the block waits for memory once
@@ -80,6 +83,8 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, p
         v_max = tl.load(max_sq_ptr + offs, mask=mask)
     else:
         v_max = v
+    if WRITE_GRAD:
+        store_f32(grad_addr, grad_dtype, offs, g * unscale, mask, ALIGNED)
     g = g * factor
     if maximize:
         g = g * -1.0  # Triton's unary minus is 0 - x, which loses the sign of zero that torch's neg keeps
@@ -127,9 +132,10 @@ def _fp32_ptr(addr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, param_addr,
-                  param_dtype, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr, amsgrad,
-                  maximize, factor, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size):
+def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr,
+                  WRITE_GRAD: tl.constexpr, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr,
+                  max_sq_addr, master_addr, amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2,
+                  bias_correction2_sqrt, eps, neg_step_size):
     exp_avg_ptr = _fp32_ptr(exp_avg_addr, ALIGNED)
     exp_avg_sq_ptr = _fp32_ptr(exp_avg_sq_addr, ALIGNED)
     max_sq_ptr = _fp32_ptr(max_sq_addr, ALIGNED)
@@ -139,15 +145,15 @@ def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULAT
     first = start
     while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
         offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        _adamw_block(offs, None, ALIGNED, EMULATE_FMA, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_ptr,
-                     exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, decay, lerp_weight,
-                     beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
+        _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
+                     exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, unscale,
+                     decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
         first += BLOCK
     if full_end < end:
         offs = full_end + tl.arange(0, BLOCK)
-        _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_ptr,
-                     exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, decay, lerp_weight,
-                     beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
+        _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
+                     exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, unscale,
+                     decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
 
 
 @triton.jit
@@ -160,9 +166,10 @@ def _slot_lr(slot, lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2
 
 
 @triton.jit
-def _adamw_update_kernel(rows, chunks, groups, stats_ptr, retired_ptr, n_tensors, n_programs,
+def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, n_programs,
                          lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr):
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
+                         WRITE_GRAD: tl.constexpr = False):
     # early exit: a skipped step writes nothing at all (state stays bitwise unchanged)
     if tl.load(stats_ptr + SKIP) == 0:
         pid = tl.program_id(0)
@@ -197,17 +204,20 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, retired_ptr, n_tensors
         neg_step_size = (lr / bias_correction1 * -1.0).to(tl.float32)  # -0.0 when lr == 0, as in torch
         decay = (1.0 - lr * weight_decay).to(tl.float32)
         factor = tl.load(stats_ptr + FACTOR)
+        unscale = 1.0
+        if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
+            unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
 
         block_args = (
             tl.load(row + PARAM), tl.load(row + PARAM_DTYPE), tl.load(row + GRAD), tl.load(row + GRAD_DTYPE),
             tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
-            (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, decay, (1.0 - beta1).to(tl.float32),
+            (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
             beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
         end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
         if tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
-            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, *block_args)
+            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, *block_args)
         else:
-            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, *block_args)
+            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, *block_args)
 
         # [note: steps advance last] Every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
@@ -242,7 +252,7 @@ def _f32(x: float) -> float:
 
 @_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[8] if len(args) > 8 else None).device)
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
-                  scratch=None) -> None:
+                  scratch=None, *, grad_scale: Tensor | None = None) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract.
 
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
@@ -251,33 +261,41 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     if not params:
         return
     device = params[0].device
+    if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
+        grad_scale = grad_scale.to(device=device, dtype=torch.float32)
     group_of, group_keys, slot_lrs, keep_alive = _group_rows(hypers, device)
     lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
     if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):
         rows = memo[3].for_grads(grads)
+    kernel_grads = grads  # a memoized table reads the grads as they are
     if rows is not None:
         layout = memo[1]
     else:
-        layout, rows = _tables_of(lists, grads, group_of, group_keys, device, scratch)
+        layout, rows, kernel_grads = _tables_of(lists, grads, group_of, group_keys, device, scratch)
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
     _, counter, _ = _tables.scratch_views(scratch, device)
     _adamw_update_kernel[(layout.n_chunks,)](
-        rows.rows, layout.chunks, groups[0], stats, counter, rows.n_tensors, layout.n_chunks, *lr_args,
+        rows.rows, layout.chunks, groups[0], stats, grad_scale if grad_scale is not None else stats, counter,
+        rows.n_tensors, layout.n_chunks, *lr_args,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
-        EMULATE_FMA=device.type == "cpu", num_warps=_runtime.NUM_WARPS,
+        EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
         **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         enable_fp_fusion=False)
+    if grad_scale is not None:  # a re-laid-out copy got the unscaled gradient: hand it to the caller's grad
+        for g, kernel_grad in zip(grads, kernel_grads):
+            if kernel_grad is not g:
+                g.copy_(kernel_grad.reshape(g.shape))
 
 
 def _tables_of(lists, grads, group_of, group_keys, device, scratch):
-    """(layout, row table) of one update, every tensor checked; memoized in ``scratch`` when the
-    kernel reads the grads as they are."""
+    """(layout, row table, the grads the kernel reads) of one update, every tensor checked;
+    memoized in ``scratch`` when the kernel reads the grads as they are."""
     params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = lists
     laid_out = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
     numels = tuple(p.numel() for p in params)
@@ -295,7 +313,7 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
             other_aligned &= (source[:, int(column)] % element_sizes == 0).long()
         scratch.memo[("update", device)] = (lists, layout, group_of, _tables.ScratchRows(
             rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo))
-    return layout, rows
+    return layout, rows, laid_out
 
 
 def _group_rows(hypers, device):

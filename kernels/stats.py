@@ -58,7 +58,8 @@ def _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK: tl.constexp
 @triton.jit
 def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, partials_ptr, retired_ptr, n_chunks,
                        max_grad_norm, HAS_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, CLIP: tl.constexpr,
-                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr,
+                       CHECK_NONFINITE: tl.constexpr = True):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     inv_scale = 1.0
@@ -95,7 +96,10 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         sumsq = tl.sum(tl.load(partials_ptr + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         flag = tl.sum(tl.load(partials_ptr + n_programs + idx, mask=in_grid, other=0.0, volatile=True), axis=0)
         norm = tl.sqrt_rn(sumsq)
-        skip = flag != 0.0
+        if CHECK_NONFINITE:
+            skip = flag != 0.0  # NaN != 0 as well
+        else:  # skip_nonfinite=False without a scaler: only found_inf skips (a sum of squares is never < 0)
+            skip = sumsq < 0.0
         if HAS_FOUND_INF:
             skip = skip | (tl.load(found_inf_ptr) != 0.0)
         factor = inv_scale
@@ -110,9 +114,9 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         tl.store(retired_ptr, 0)
 
 
-@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats, scratch=None: stats.device)
+@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats, scratch=None, **kwargs: stats.device)
 def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None,
-                stats: Tensor, scratch=None) -> None:
+                stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
     """Sum of squares, non-finite flag and finish into ``stats``; one launch, no host sync.
 
     ``scratch``: the caller's counters and partials, and a memo of its tables (``_tables.ScratchRows``).
@@ -130,7 +134,8 @@ def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_
         found_inf if found_inf is not None else stats, stats, partials, counter, layout.n_chunks,
         float(max_grad_norm) if max_grad_norm is not None else 0.0,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, CLIP=max_grad_norm is not None,
-        BLOCK=_runtime.BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, num_warps=_runtime.NUM_WARPS)
+        BLOCK=_runtime.BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK, CHECK_NONFINITE=bool(check_nonfinite),
+        num_warps=_runtime.NUM_WARPS)
 
 
 def _tables_of(grads, device, scratch):

@@ -132,9 +132,9 @@ def registers(kernel):
 
 sizes = dict(CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK)
 lr_args = {f"lr{i}_{part}": "fp32" for i in range(adamw.LR_SLOTS) for part in ("hi", "mid", "lo")}
-update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
+update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", grad_scale_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
                   n_programs="i32", **lr_args)
-update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False),
+update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=False),
                         num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
 ptx = update.asm["ptx"]
 assert "approx" not in ptx and "__nv_" not in ptx, "update: approximate math or libdevice"
@@ -147,19 +147,29 @@ body = ptx[ptx.index("ld.global.v4"):]
 assert body[:body.index("mul.rn.f32")].count("ld.global.v4") >= 4, "update: math before the g, w, m, v loads"
 assert regs <= 64, f"update kernel uses {regs} registers at {_runtime.NUM_WARPS} warps: below full occupancy"
 assert spills <= 16, f"update kernel spills {spills} bytes"
-for flags in ((True, True, True), (False, False, False)):
-    has_scale, has_found_inf, clip = flags
+# the variant that also writes the unscaled gradient back (a scaled step, DESIGN 2.7)
+update_w = compile_kernel(adamw._adamw_update_kernel, update_sig,
+                          dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=True),
+                          num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
+regs_w, spills_w = registers(update_w)
+print("update (writes grads) registers", regs_w, "spills", spills_w)
+# [note: grad-writing spills] measured 32 spill bytes at maxnreg 64 (12 without the write); storing
+# the unscaled grad at the end of the block instead spills 48. Bounded here; its cost on a GPU is unmeasured.
+assert regs_w <= 64 and spills_w <= 32, f"update kernel writing grads: {regs_w} registers, {spills_w} spill bytes"
+for flags in ((True, True, True, True), (False, False, False, True), (False, False, True, False)):
+    has_scale, has_found_inf, clip, check_nonfinite = flags
     k = compile_kernel(stats._grad_stats_kernel,
                        dict(rows="*i64", chunks="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", stats_ptr="*fp32",
                             partials_ptr="*fp32", retired_ptr="*i32", n_chunks="i32", max_grad_norm="fp32"),
-                       dict(sizes, BLOCK=_runtime.BLOCK, HAS_SCALE=has_scale, HAS_FOUND_INF=has_found_inf, CLIP=clip),
+                       dict(sizes, BLOCK=_runtime.BLOCK, HAS_SCALE=has_scale, HAS_FOUND_INF=has_found_inf, CLIP=clip,
+                            CHECK_NONFINITE=check_nonfinite),
                        num_warps=_runtime.NUM_WARPS)
     ptx = k.asm["ptx"]
     assert "__nv_" not in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.v4" in ptx
     print("stats registers", registers(k))
 # Triton turns an int argument equal to 1 into a constant: one tensor, one program
 compile_kernel(adamw._adamw_update_kernel, {k: v for k, v in update_sig.items() if k not in ("n_tensors", "n_programs")},
-               dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, n_programs=1, EMULATE_FMA=False),
+               dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, n_programs=1, EMULATE_FMA=False, WRITE_GRAD=False),
                num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False)
 for bf16 in (True, False):
     k = compile_kernel(accumulate._accumulate_kernel, dict(main_grad_ptr="*fp32", grad_ptr="*i16" if bf16 else "*fp16", numel="i32"),

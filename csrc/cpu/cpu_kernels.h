@@ -27,6 +27,8 @@ struct UpdateRange {
   int32_t grad_dtype;
   const AdamWScalars* scalars;
   float factor;           // clip coefficient / loss scale, negated for maximize
+  void* grad_out;         // nullptr, or grad: the unscaled gradient g * unscale is written back (DESIGN §2.7)
+  float unscale;          // 1 / loss scale, as torch's unscale_ rounds it
   int64_t begin;
   int64_t end;
 };

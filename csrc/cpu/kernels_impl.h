@@ -85,7 +85,7 @@ SumSq sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
   }
 }
 
-template <typename P, typename G, bool MASTER, bool AMSGRAD>
+template <typename P, typename G, bool MASTER, bool AMSGRAD, bool WRITE_GRAD>
 void update_t(const UpdateRange& r) {
   const int64_t n = r.end - r.begin;
   P* __restrict p = static_cast<P*>(r.param) + r.begin;
@@ -96,12 +96,16 @@ void update_t(const UpdateRange& r) {
   float* __restrict master = MASTER ? r.master + r.begin : nullptr;
   const AdamWScalars s = *r.scalars;
   const float factor = r.factor;
+  G* __restrict g_out = WRITE_GRAD ? static_cast<G*>(r.grad_out) + r.begin : nullptr;
+  const float unscale = r.unscale;
   for (int64_t i = 0; i < n; ++i) {
     float w = MASTER ? master[i] : to_float(p[i]);
     float mi = m[i];
     float vi = v[i];
     float vmaxi = AMSGRAD ? vmax[i] : 0.f;
-    adamw_element<AMSGRAD>(w, to_float(g[i]) * factor, mi, vi, vmaxi, s);
+    const float gi = to_float(g[i]);
+    adamw_element<AMSGRAD>(w, gi * factor, mi, vi, vmaxi, s);
+    if (WRITE_GRAD) g_out[i] = from_float<G>(gi * unscale);
     m[i] = mi;
     v[i] = vi;
     if (AMSGRAD) vmax[i] = vmaxi;
@@ -110,14 +114,19 @@ void update_t(const UpdateRange& r) {
   }
 }
 
-template <typename P, typename G>
-void update_pg(const UpdateRange& r) {
+template <typename P, typename G, bool WRITE_GRAD>
+void update_pgw(const UpdateRange& r) {
   const bool master = r.master != nullptr, ams = r.max_exp_avg_sq != nullptr;
   if (master) {
-    ams ? update_t<P, G, true, true>(r) : update_t<P, G, true, false>(r);
+    ams ? update_t<P, G, true, true, WRITE_GRAD>(r) : update_t<P, G, true, false, WRITE_GRAD>(r);
   } else {
-    ams ? update_t<P, G, false, true>(r) : update_t<P, G, false, false>(r);
+    ams ? update_t<P, G, false, true, WRITE_GRAD>(r) : update_t<P, G, false, false, WRITE_GRAD>(r);
   }
+}
+
+template <typename P, typename G>
+void update_pg(const UpdateRange& r) {
+  r.grad_out != nullptr ? update_pgw<P, G, true>(r) : update_pgw<P, G, false>(r);
 }
 
 template <typename P>

@@ -65,7 +65,8 @@ void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
 
 void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                     const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
-                    const at::Tensor& stats, const std::optional<at::Tensor>& /*scratch: unused on CPU*/) {
+                    const at::Tensor& stats, const std::optional<at::Tensor>& /*scratch: unused on CPU*/,
+                    bool check_nonfinite) {
   check_stats(grads, grad_scale, found_inf, stats);
   TORCH_CHECK(stats.device().is_cpu(), "ampfused::grad_stats (CPU) got stats on ", stats.device());
   const float inv = inv_scale_of(grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
@@ -94,7 +95,8 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
     bad = bad || x.bad;
   }
   finish_stats(static_cast<float>(total), bad, found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr, inv,
-               max_grad_norm.has_value(), static_cast<float>(max_grad_norm.value_or(0.0)), stats.data_ptr<float>());
+               max_grad_norm.has_value(), static_cast<float>(max_grad_norm.value_or(0.0)), stats.data_ptr<float>(),
+               check_nonfinite);
 }
 
 void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -103,11 +105,14 @@ void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                       at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
-                      const std::optional<at::Tensor>& /*scratch: unused on CPU*/) {
+                      const std::optional<at::Tensor>& /*scratch: unused on CPU*/,
+                      const std::optional<at::Tensor>& grad_scale) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
                                    lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;
   TORCH_CHECK(params[0].device().is_cpu(), "ampfused::adamw_update (CPU) got tensors on ", params[0].device());
+  const float* scale = grad_scale_ptr(grad_scale, params[0].device());
+  const float unscale = inv_scale_of(scale);
   const float* step_stats = stats.data_ptr<float>();
   if (step_stats[kStatsSkip] != 0.0f) return;  // a skipped step writes nothing at all
   const float base_factor = step_stats[kStatsFactor];
@@ -126,7 +131,8 @@ void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
     const float f = g.maximize ? -base_factor : base_factor;
     for (int64_t b = 0; b < t.numel; b += kRange) {
       ranges.push_back(UpdateRange{t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.master, t.param_dtype,
-                                   t.grad_dtype, &scalars[i], f, b, std::min(t.numel, b + kRange)});
+                                   t.grad_dtype, &scalars[i], f, scale != nullptr ? const_cast<void*>(t.grad) : nullptr,
+                                   unscale, b, std::min(t.numel, b + kRange)});
     }
   }
   const IsaKernels& k = kernels();

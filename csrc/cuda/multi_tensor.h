@@ -74,6 +74,7 @@ struct UpdateParams {
   int32_t n_tensors;
   int32_t n_groups;
   const float* stats;         // stats[kStatsSkip], stats[kStatsFactor] from the stats pass
+  const float* grad_scale;    // nullptr, or the loss scale: the unscaled gradient is written into the grads
   unsigned int* counter;      // zero between launches; the last block resets it
   const GroupHyper* groups;   // nullptr: inline_groups
   GroupHyper inline_groups[kInlineGroups];
@@ -87,6 +88,7 @@ struct StatsParams {
   const float* found_inf;   // nullptr: none
   float max_grad_norm;
   int32_t clip;
+  int32_t check_nonfinite;  // 0: only found_inf skips (skip_nonfinite=False without a scaler)
   float* stats;             // the stats vector (adamw_math.h slots)
   double* partials;         // two slots per block: sum of squares, non-finite sum
   unsigned int* counter;    // zero between launches; the last block resets it

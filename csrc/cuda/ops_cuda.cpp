@@ -191,7 +191,7 @@ void accumulate_cuda(const at::Tensor& main_grad, const at::Tensor& grad) {
 
 void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf, std::optional<double> max_grad_norm,
-                     const at::Tensor& stats, const std::optional<at::Tensor>& scratch) {
+                     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, bool check_nonfinite) {
   check_stats(grads, grad_scale, found_inf, stats);
   TORCH_CHECK(stats.is_cuda(), "ampfused::grad_stats (CUDA) got stats on ", stats.device());
   const at::Device device = stats.device();
@@ -223,6 +223,7 @@ void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad
   p.found_inf = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
   p.clip = max_grad_norm.has_value() ? 1 : 0;
   p.max_grad_norm = static_cast<float>(max_grad_norm.value_or(0.0));
+  p.check_nonfinite = check_nonfinite ? 1 : 0;
   p.stats = stats.data_ptr<float>();
   const at::Tensor launch_scratch = scratch_or_fresh(scratch, device, "ampfused::grad_stats");
   p.partials = stats_partials(launch_scratch);
@@ -236,7 +237,7 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
                        at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
                        at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
-                       const std::optional<at::Tensor>& scratch) {
+                       const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale) {
   UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
                                    lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
   if (args.tensors.empty()) return;
@@ -307,6 +308,7 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   p.n_groups = static_cast<int32_t>(hyper.size());
   p.stats = stats.data_ptr<float>();
   const at::Tensor launch_scratch = scratch_or_fresh(scratch, device, "ampfused::adamw_update");
+  p.grad_scale = grad_scale_ptr(grad_scale, device);
   p.counter = update_counter(launch_scratch);
   at::Tensor group_table;
   if (hyper.size() <= static_cast<size_t>(kInlineGroups)) {

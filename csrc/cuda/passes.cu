@@ -69,10 +69,12 @@ __device__ bool last_block_done(unsigned int* counter) {
 
 // ------------------------------------------------------------------------------------ update
 
+// write_grad: the unscaled gradient g * unscale is written back into the grad (DESIGN §2.7).
 template <typename P, typename G>
-__device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float factor) {
+__device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float factor,
+                             bool write_grad, float unscale) {
   P* param = static_cast<P*>(t.param);
-  const G* grad = static_cast<const G*>(t.grad);
+  G* grad = static_cast<G*>(const_cast<void*>(t.grad));
   float* m = t.exp_avg;
   float* v = t.exp_avg_sq;
   float* vmax = t.max_exp_avg_sq;
@@ -102,6 +104,11 @@ __device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, c
           adamw_element<false>(w[j], gj, mi[j], vi[j], vmaxi[j], s);
         }
       }
+      if (write_grad) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[j] = __fmul_rn(g[j], unscale);
+        store4(grad + i, g);
+      }
       store4(m + i, mi);
       store4(v + i, vi);
       if (amsgrad) store4(vmax + i, vmaxi);
@@ -113,7 +120,9 @@ __device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, c
   for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
     float w = has_master ? master[i] : to_float(param[i]);
     float mi = m[i], vi = v[i], vmaxi = amsgrad ? vmax[i] : 0.0f;
-    const float gi = __fmul_rn(to_float(grad[i]), factor);
+    const float graw = to_float(grad[i]);
+    const float gi = __fmul_rn(graw, factor);
+    if (write_grad) grad[i] = from_float<G>(__fmul_rn(graw, unscale));
     if (amsgrad) {
       adamw_element<true>(w, gi, mi, vi, vmaxi, s);
       vmax[i] = vmaxi;
@@ -128,11 +137,12 @@ __device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, c
 }
 
 template <typename P>
-__device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float f) {
+__device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float f,
+                               bool write_grad, float unscale) {
   switch (t.grad_dtype) {
-    case kF32: return update_chunk<P, float>(t, begin, end, s, f);
-    case kF16: return update_chunk<P, Half>(t, begin, end, s, f);
-    default: return update_chunk<P, BFloat16>(t, begin, end, s, f);
+    case kF32: return update_chunk<P, float>(t, begin, end, s, f, write_grad, unscale);
+    case kF16: return update_chunk<P, Half>(t, begin, end, s, f, write_grad, unscale);
+    default: return update_chunk<P, BFloat16>(t, begin, end, s, f, write_grad, unscale);
   }
 }
 
@@ -150,6 +160,8 @@ __device__ double lr_of(const GroupHyper& h) {
 __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
   if (p.stats[kStatsSkip] != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
   const float factor = p.stats[kStatsFactor];
+  const bool write_grad = p.grad_scale != nullptr;  // else the grads stay as they are
+  const float unscale = inv_scale_of(p.grad_scale);
   const GroupHyper* groups = p.groups != nullptr ? p.groups : p.inline_groups;
   __shared__ AdamWScalars chunk_scalars;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
@@ -166,9 +178,9 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
     const int64_t end = min(chunk.start + kChunkSize, t.numel);
     switch (t.param_dtype) {
-      case kF32: update_chunk_p<float>(t, chunk.start, end, s, f); break;
-      case kF16: update_chunk_p<Half>(t, chunk.start, end, s, f); break;
-      default: update_chunk_p<BFloat16>(t, chunk.start, end, s, f); break;
+      case kF32: update_chunk_p<float>(t, chunk.start, end, s, f, write_grad, unscale); break;
+      case kF16: update_chunk_p<Half>(t, chunk.start, end, s, f, write_grad, unscale); break;
+      default: update_chunk_p<BFloat16>(t, chunk.start, end, s, f, write_grad, unscale); break;
     }
   }
   // Every block has read the step counters it needed: the last one advances them all.
@@ -243,7 +255,8 @@ __global__ void __launch_bounds__(kBlockSize) stats_kernel(const __grid_constant
     const double total = block_sum(x, shared);
     const double total_bad = block_sum(y, shared);
     if (threadIdx.x == 0) {
-      finish_stats(static_cast<float>(total), !(total_bad == 0.0), p.found_inf, inv, p.clip != 0, p.max_grad_norm, p.stats);
+      finish_stats(static_cast<float>(total), !(total_bad == 0.0), p.found_inf, inv, p.clip != 0, p.max_grad_norm, p.stats,
+                   p.check_nonfinite != 0);
       *p.counter = 0;
     }
   }
