@@ -253,7 +253,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     if rows is not None:
         layout = memo[1]
     else:
-        layout, rows = _tables_of(lists, grads, group_of, group_keys, device, scratch)
+        layout, rows, grads = _tables_of(lists, grads, group_of, group_keys, device, scratch)  # (copies live past the launch)
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
@@ -269,8 +269,8 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
 
 
 def _tables_of(lists, grads, group_of, group_keys, device, scratch):
-    """(layout, row table) of one update, every tensor checked; memoized in ``scratch`` when the
-    kernel reads the grads as they are."""
+    """(layout, row table, grads as the kernel reads them) of one update, every tensor checked;
+    memoized in ``scratch`` when the kernel reads the grads as they are."""
     params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = lists
     laid_out = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
     numels = tuple(p.numel() for p in params)
@@ -288,7 +288,7 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
             other_aligned &= (source[:, int(column)] % element_sizes == 0).long()
         scratch.memo[("update", device)] = (lists, layout, group_of, _tables.ScratchRows(
             rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo))
-    return layout, rows
+    return layout, rows, laid_out
 
 
 def _group_rows(hypers, device):
