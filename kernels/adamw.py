@@ -273,7 +273,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     if rows is not None:
         layout = memo[1]
     else:
-        layout, rows, kernel_grads = _tables_of(lists, grads, group_of, group_keys, device, scratch)
+        layout, rows, kernel_grads = _tables_of(lists, grads, group_of, group_keys, device, scratch)  # (copies live past the launch)
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]

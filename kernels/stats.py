@@ -127,7 +127,7 @@ def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_
     if rows is not None:
         layout = memo[0]
     else:
-        layout, rows = _tables_of(grads, device, scratch)
+        layout, rows, grads = _tables_of(grads, device, scratch)  # (copies live past the launch)
     counter, _, partials = _tables.scratch_views(scratch, device)
     _grad_stats_kernel[(layout.grid,)](
         rows.rows, layout.chunks, grad_scale if grad_scale is not None else stats,
@@ -139,7 +139,8 @@ def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_
 
 
 def _tables_of(grads, device, scratch):
-    """(layout, row table) of ``grads``, checked; memoized in ``scratch`` when the kernel reads them as they are."""
+    """(layout, row table, grads as the kernel reads them), checked; memoized in ``scratch`` when the
+    kernel reads them as they are."""
     dense = _tables.dense_inputs(grads)
     numels = tuple(g.numel() for g in dense)
     layout = _tables.layout("stats", numels, device, _runtime.CHUNK, lambda n: _runtime.persistent_grid(n, device))
@@ -150,7 +151,7 @@ def _tables_of(grads, device, scratch):
         scratch.memo[("stats", device)] = (layout, _tables.ScratchRows(rows, rows.source, list(grads), int(GRAD_ADDR),
                                                                         int(ALIGNED_ROW), other_aligned, device,
                                                                         scratch.memo))
-    return layout, rows
+    return layout, rows, dense
 
 
 def _build_rows(grads, device) -> list:
