@@ -1,47 +1,71 @@
 #!/usr/bin/env bash
-# The short GPU check (issue 11 item 6): one command of at most 9 minutes on an H200 (torch 2.11,
-# Triton 3.6, Python 3.12, no internet). Everything lands in $OUT; what does not fit in this budget
-# is in benchmarks/gpu_check_long.sh.
+# The first-contact GPU check (issue 16 item 7): ONE command of at most 6 minutes on an H200 (torch
+# 2.11, Triton 3.6, no internet), so that a rerun fits in the same 15-minute device lease.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh            # default OUT: ./gpu-results
-#   bash benchmarks/gpu_check.sh --dry-run                # print the steps and their budgets, run nothing
+#   bash benchmarks/gpu_check.sh --dry-run                # print the stages and their budgets, run nothing
 #
-# Steps and their timeouts (seconds; they sum to 450, well under the 540 of one command):
-#   build 170 | info 15 | gpu_tests 110 | bench (124M, 1B: stock fused, stock foreach, every
-#   ampfused backend, copy roofline) 110 | host time + launches per step 45
-# A step that fails or times out is recorded in $OUT/summary.txt and the script goes on.
-# Without a GPU it builds, prints `info`, and stops where a GPU is needed (exit 0).
+# [note: results that cannot be lost] The device hands back at most 8 files, so $OUT holds exactly
+# two: summary.txt (one line per stage: exit code, seconds) and results.tar.gz (every log, CSV,
+# markdown and plot). Both are rewritten (atomically: write, then mv) after EVERY stage, so a stage
+# that hangs, or a lease that ends, keeps what the earlier stages produced.
+#
+# Stages, by value, each under its own timeout (seconds; they sum to 355):
+#   setup 15 (setuptools >= 77 for the pyproject license field, versions, nvidia-smi)
+#   build 150 (AMPFUSED_BUILD_CUDA=1: a CPU-only build fails loudly; build log kept) | info 10
+#   gpu_tests 75 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr, launches, kernels at size)
+#   bench 70 (fp32 and bf16 steps at 124M and 1B vs stock fused + clip_grad_norm_, copy roofline)
+#   host 35 (host time and launches per step at 148, 291 and 2000 tensors)
+# Without a GPU the CUDA stages fail at once with a clear message (no hang); the host stage runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=$(mkdir -p "${OUT:-gpu-results}" && cd "${OUT:-gpu-results}" && pwd)
-summary="$OUT/summary.txt"
-: > "$summary"
+WORK=$(mktemp -d)  # everything is written here, then packed into $OUT
+summary="$WORK/summary.txt"
 elsewhere=$(mktemp -d)  # python -m puts the cwd first on sys.path: run the installed package from outside the checkout
-BUDGET=0
+TOTAL=0
+START=$SECONDS
+: > "$summary"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} AMPFUSED_BUILD_CUDA=1
+unset TRITON_INTERPRET
 
-ROOT=$(pwd)
-step() {  # step NAME TIMEOUT_S DIR COMMAND...   (DIR: where the command runs)
+pack() {  # summary.txt and results.tar.gz into $OUT, each replaced atomically
+    cp "$summary" "$OUT/.summary.tmp" && mv -f "$OUT/.summary.tmp" "$OUT/summary.txt"
+    tar -czf "$OUT/.results.tmp" -C "$WORK" . 2>/dev/null && mv -f "$OUT/.results.tmp" "$OUT/results.tar.gz"
+}
+
+stage() {  # stage NAME TIMEOUT_S DIR COMMAND...   (DIR: where the command runs; output in $WORK/NAME.log)
     local name=$1 limit=$2 dir=$3; shift 3
-    BUDGET=$((BUDGET + limit))
+    TOTAL=$((TOTAL + limit))
     if [ "$DRY" = 1 ]; then
         printf '%-10s %4ss  %s\n' "$name" "$limit" "$*" | tee -a "$summary"
         return 0
     fi
     local start=$SECONDS
-    (cd "$dir" && timeout -k 5 "$limit" "$@") > "$OUT/$name.log" 2>&1
+    (cd "$dir" && timeout -k 5 "$limit" "$@") > "$WORK/$name.log" 2>&1
     local rc=$?
-    printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - start)) "$*" | tee -a "$summary"
+    local note=""
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && note=" TIMEOUT"
+    printf '%-10s rc=%-3s %4ss%s  %s\n' "$name" "$rc" $((SECONDS - start)) "$note" "$*" | tee -a "$summary"
+    if [ "$rc" != 0 ]; then  # the error lines first (pip buries them), then the end of the log
+        { grep -E "Error|FAILED|error:" "$WORK/$name.log" | grep -v "^ *note:" | tail -3; tail -3 "$WORK/$name.log"; } \
+            | sed "s/^/    $name| /" | tee -a "$summary"
+    fi
+    pack
     return $rc
 }
 
-if [ "$DRY" = 0 ]; then
-    {
-        date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-        python - <<'PY'
-import platform, torch
-print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+setup() {
+    date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+    git -C "$ROOT" log -1 --format='commit: %H %s' 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null || echo "nvidia-smi: not found"
+    python - <<'PY'
+import platform, sys
+import setuptools, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda, "setuptools", setuptools.__version__)
 try:
     import triton; print("triton", triton.__version__)
 except ImportError as e:
@@ -49,27 +73,38 @@ except ImportError as e:
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.0f} GiB", "SMs", p.multi_processor_count)
+else:
+    print("no CUDA device visible to torch")
+major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+if (major, minor) < (77, 0):
+    sys.exit(f"setuptools {setuptools.__version__} < 77: the pyproject license field needs 77+; "
+             "this script's `pip install 'setuptools>=77'` failed (setuptools.log): install it, then rerun")
 PY
-        nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null || true
-    } > "$OUT/env.txt" 2>&1
-    cat "$OUT/env.txt"
+}
+# a venv's bundled setuptools is older than 77: try to upgrade it (fails fast without a network/wheel cache)
+if [ "$DRY" = 0 ] && ! python -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+    timeout 60 pip install -q --retries 0 --timeout 5 'setuptools>=77' > "$WORK/setuptools.log" 2>&1 || true
 fi
 
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} AMPFUSED_BUILD_CUDA=${AMPFUSED_BUILD_CUDA:-auto}
-step build 170 "$ROOT" pip install --no-build-isolation --no-deps .
-step info 15 "$elsewhere" python -m ampfused info
-[ "$DRY" = 0 ] && cat "$OUT/info.log"
-
+export -f setup
+stage setup 15 "$ROOT" bash -c setup || { echo "setup failed: see summary" | tee -a "$summary"; pack; exit 1; }
+stage build 150 "$ROOT" pip install -v --no-build-isolation --no-deps .
+build_rc=$?
+stage info 10 "$elsewhere" python -m ampfused info
 if [ "$DRY" = 0 ] && ! python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "no CUDA GPU here: stopping before the GPU tests and benchmarks" | tee -a "$summary"
+    echo "no CUDA GPU here: the CUDA stages are skipped (they would only report that)" | tee -a "$summary"
+    stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291 --repeats 5 --out "$WORK/host.csv"
+    echo "total: $((SECONDS - START))s, budget ${TOTAL}s" | tee -a "$summary"
+    pack
     exit 0
 fi
-
-# gpu-marked tests only (no sync, CUDA graphs, launches per step, the CUDA/Triton kernels at size)
+if [ "$build_rc" != 0 ]; then
+    echo "build failed (rc=$build_rc): the tests would run a stale or CPU-only ampfused; see build.log" | tee -a "$summary"
+fi
 # (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree)
-step gpu_tests 110 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
-step bench 110 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$OUT/bench"
-step host 45 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --out "$OUT/host.csv"
-echo "budget: ${BUDGET}s of timeouts" | tee -a "$summary"
-[ "$DRY" = 0 ] && cat "$summary"
+stage gpu_tests 75 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
+stage bench 70 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
+stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291,2000 --repeats 10 --out "$WORK/host.csv"
+echo "total: $((SECONDS - START))s, budget ${TOTAL}s of stage timeouts" | tee -a "$summary"
+pack
 exit 0

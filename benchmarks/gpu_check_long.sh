@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What does not fit in benchmarks/gpu_check.sh's 9 minutes: the whole test suite on the GPU, the
+# What does not fit in benchmarks/gpu_check.sh's 6 minutes: the whole test suite on the GPU, the
 # full configuration and size sweeps, the training benchmark. Several commands' worth of GPU time;
 # run each line on its own when a GPU budget allows (each is bounded by its timeout).
 #

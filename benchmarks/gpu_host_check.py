@@ -36,16 +36,19 @@ def host_ms(step, device, repeats):
 
 
 def launches(step, device):
+    """Device activities of ``step`` (the optimizer and scaler calls only, not the loss scaling):
+    kernels and memsets, and separately the copies (a steady-state step should have none)."""
     if device.type != "cuda":
-        return ""
+        return "", ""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset")))
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(1 for n in names if n.startswith("Memcpy"))
+    return len(names) - copies, copies
 
 
 def main() -> None:
@@ -66,29 +69,40 @@ def main() -> None:
             stock = torch.optim.AdamW(params, fused=True)
             scaler = torch.amp.GradScaler(device.type)
 
-            def stock_step():
-                scaler.scale(torch.ones((), device=device))
+            loss = torch.ones((), device=device)
+
+            def stock_opt():
                 scaler.unscale_(stock)
                 if clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, clip)
                 scaler.step(stock)
                 scaler.update()
 
+            def stock_step():
+                scaler.scale(loss)
+                stock_opt()
+
             stock_step()
+            kernels, copies = launches(stock_opt, device)
             rows.append(dict(tensors=n, clip=clip, impl="torch-fused", host_ms=host_ms(stock_step, device, args.repeats),
-                             launches=launches(stock_step, device)))
+                             launches=kernels, copies=copies))
+            save(rows, args.out)
             for name in backends:
                 opt = ampfused.FusedAmpAdamW(params, backend=name, max_grad_norm=clip)
                 ours = ampfused.GradScaler(device.type)
 
-                def our_step():
-                    ours.scale(torch.ones((), device=device))
+                def our_opt():
                     ours.step(opt)
                     ours.update()
 
+                def our_step():
+                    ours.scale(loss)
+                    our_opt()
+
                 our_step()
+                kernels, copies = launches(our_opt, device)
                 row = dict(tensors=n, clip=clip, impl=f"ampfused-{name}", host_ms=host_ms(our_step, device, args.repeats),
-                           launches=launches(our_step, device))
+                           launches=kernels, copies=copies)
 
                 def moved_step():  # every grad at a new address, as zero_grad(set_to_none=True) can give
                     for p in params:
@@ -100,13 +114,21 @@ def main() -> None:
 
                 row["host_ms_after_pointer_change"] = statistics.median(moved_step() for _ in range(5))
                 rows.append(row)
-    keys = ["tensors", "clip", "impl", "host_ms", "host_ms_after_pointer_change", "launches"]
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, keys)
+                save(rows, args.out)
+
+
+KEYS = ["tensors", "clip", "impl", "host_ms", "host_ms_after_pointer_change", "launches", "copies"]
+
+
+def save(rows, path):
+    """The whole CSV again after every row: a run cut short by its timeout keeps what it measured."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, KEYS)
         writer.writeheader()
         writer.writerows(rows)
-    for row in rows:
-        print("  ".join(f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.3f}" for k in keys))
+    row = rows[-1]
+    print("  ".join(f"{k}={row.get(k, '')}" if not isinstance(row.get(k), float) else f"{k}={row[k]:.3f}" for k in KEYS),
+          flush=True)
 
 
 def _ok(name, device):

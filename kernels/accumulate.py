@@ -23,6 +23,8 @@ from torch import Tensor
 from . import _runtime
 
 
+# [note: exactness] main_grad + grad is one rounding add of an exactly widened value: no product to
+# contract and no comparison that depends on an identity, so fp fusion is left at Triton's default.
 @triton.jit
 def _widen(grad, GRAD_IS_BF16: tl.constexpr):
     if GRAD_IS_BF16:  # passed as int16 bits, widened exactly: see the bf16 note in _memory.py

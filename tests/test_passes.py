@@ -391,8 +391,9 @@ def _kernels_launched(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and not e.name.startswith(("Memcpy", "Memset"))]
+    # every device activity counts: kernels, memsets and copies (a steady-state step copies nothing:
+    # tables are uploaded only when an address changes)
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.gpu
@@ -416,7 +417,7 @@ def test_at_most_three_launches_per_step(name, clip):
         scaler.step(opt)
         scaler.update()
     step = _kernels_launched(opt.step)
-    assert len(step) == 2, step
+    assert len(step) == 2 and not any(n.startswith("Memcpy") for n in step), step
     scaler.scale(torch.ones((), device="cuda"))
     full = _kernels_launched(lambda: (scaler.step(opt), scaler.update()))
-    assert len(full) <= 3, full
+    assert len(full) <= 3 and not any(n.startswith("Memcpy") for n in full), full

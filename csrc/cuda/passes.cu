@@ -17,6 +17,7 @@ namespace cuda {
 namespace {
 
 constexpr int32_t kFlagMaximize = 2;  // as ops_common.h
+constexpr int kStatsUnroll = 4;       // 16-byte loads in flight per thread in the stats loop
 
 template <typename T>
 struct alignas(4 * sizeof(T)) Pack4 {
@@ -203,7 +204,24 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
   int64_t scalar_begin = begin;
   if (t.aligned) {
     const int64_t n4 = (end - begin) / 4;
-    for (int64_t k = threadIdx.x; k < n4; k += blockDim.x) {
+    int64_t k = threadIdx.x;
+    // [note: stats ILP] kStatsUnroll 16-byte loads in flight a thread, issued before any math; the
+    // sums take the elements in the order of the plain loop below, so the result is the same.
+    for (; k + (kStatsUnroll - 1) * blockDim.x < n4; k += kStatsUnroll * blockDim.x) {
+      float x[kStatsUnroll][4];
+#pragma unroll
+      for (int r = 0; r < kStatsUnroll; ++r) load4(g + begin + 4 * (k + r * blockDim.x), x[r]);
+#pragma unroll
+      for (int r = 0; r < kStatsUnroll; ++r) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float u = __fmul_rn(x[r][j], inv);
+          acc = __fmaf_rn(u, u, acc);
+          bad += is_finite_f32(u) ? 0.0f : 1.0f;
+        }
+      }
+    }
+    for (; k < n4; k += blockDim.x) {
       float x[4];
       load4(g + begin + 4 * k, x);
 #pragma unroll
