@@ -59,6 +59,7 @@ class MainGrads:
         self.cpu_accumulators: dict = {}  # param -> (its AccumulateGrad node, the main_grad its C++ hook adds into)
         self.reducer = None  # what all-reduces the flat storage in a multi-process run (ampfused.distributed)
         self.warned = False
+        self.ddp_reduced: set[int] = set()  # ids of params a plain DDP reduces in their own dtype (see fall_back_to_ddp)
         # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
         weakref.finalize(owner, _release, self.hooks, self.cpu_accumulators, self.owner_ref)
 
@@ -72,6 +73,7 @@ class MainGrads:
         that owned the param, or by a backward before this optimizer was built) moves into the new
         storage, so it keeps accumulating in fp32.
         """
+        params = [p for p in params if id(p) not in self.ddp_reduced]
         self.flat = FlatBuffer(params, device) if params else None
         self.params = params
         cpu_hook = device is not None and device.type == "cpu" and hasattr(torch.ops.ampfused, "_hook_accumulation")
@@ -108,7 +110,7 @@ class MainGrads:
         out by its hook at its first gradient, so its next micro-batches accumulate in fp32 (gradual
         unfreezing). A hook can only be registered while the param requires grad, and it stays."""
         for p in frozen:
-            if id(p) in self.watched or self.owns(p):
+            if id(p) in self.watched or self.owns(p) or id(p) in self.ddp_reduced:
                 continue
             p.requires_grad_(True)
             try:
@@ -117,6 +119,43 @@ class MainGrads:
                 p.requires_grad_(False)
             self.hooks.append((p, handle, p.grad_dtype))
             self.watched.add(id(p))
+
+    def fall_back_to_ddp(self) -> bool:
+        """Once per optimizer, at the first fp32 adoption in a multi-process run that ampfused does not
+        reduce: hand the params a plain ``DistributedDataParallel`` reduces back to it. True when any was.
+
+        [note: plain DDP] DDP's buckets have the param dtype and reject an fp32 ``p.grad`` ("Expected
+        BFloat16, got Float"), and a comm hook only sees the bucket. So a param DDP's reducer owns runs with
+        ``fp32_grad_accumulation`` off: its gradient stays in the param dtype, as DDP (and stock AdamW)
+        expect -- accumulated by autograd, under ``no_sync()`` too, all-reduced in that dtype, a bucket view
+        with ``gradient_as_bucket_view`` -- and the step reads it directly (fp32 masters and moments still).
+        DDP marks nothing on its params, so the DDP modules alive then are found once through the garbage
+        collector (one scan per optimizer, at its first backward); a DDP built after that first backward is
+        not seen, and then fails as before, with the warning. ``ampfused.distributed.data_parallel`` keeps
+        fp32 accumulation through the all-reduce instead.
+        """
+        import gc
+
+        ddp_type = torch.nn.parallel.DistributedDataParallel
+        mine = {id(p) for p in self.params}
+        reduced = set()
+        for obj in gc.get_objects():
+            if isinstance(obj, ddp_type) and getattr(obj, "reducer", None) is not None:
+                reduced.update(id(p) for p in getattr(obj, "_module_parameters", ()) if id(p) in mine)
+        if not reduced:
+            return False
+        self.ddp_reduced |= reduced
+        for p in [p for p in self.params if id(p) in reduced]:
+            old = self.cpu_accumulators.pop(p, None)
+            if old is not None:
+                torch.ops.ampfused._unhook_accumulation(p, old[1])
+            if p.grad is not None and p.grad is p.main_grad:  # accumulated before the DDP existed
+                p.grad = p.main_grad.to(p.dtype)
+            del p.main_grad, OWNERS[p]
+        if self.flat is not None:
+            self.setup([p for p in self.params if id(p) not in reduced], self.flat.data.device)
+        warnings.warn(DDP_FALLBACK_MESSAGE.format(count=len(reduced)), UserWarning, stacklevel=3)
+        return True
 
     def relayout_if_strides_changed(self) -> None:
         """A param whose memory format changed after construction (``model.to(memory_format=...)``) gets matching views."""
@@ -141,11 +180,20 @@ def _adopt_hook(grads: MainGrads):
         grad = p.grad
         if grad is not None and grad is not getattr(p, "main_grad", None) and OWNERS.get(p) is grads.owner_ref:
             if grads.reducer is None and not grads.warned and _multi_process():
-                # a warning, not an error: a per-rank optimizer that is not meant to be reduced is legitimate
                 grads.warned = True
-                warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
+                if grads.fall_back_to_ddp() and id(p) in grads.ddp_reduced:
+                    return  # p.grad stays in the param dtype, for DDP's reducer
+                # a warning, not an error: a per-rank optimizer that is not meant to be reduced is legitimate
+                if not grads.ddp_reduced:
+                    warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
+            if p.main_grad.stride() != p.stride():
+                # [note: memory format] the model changed memory format (model.to(memory_format=...)) since the
+                # layout: the storage follows now, at the first gradient, not at step(), or autograd warns that
+                # grad and param break the layout contract on the next micro-batches. setup() adopts p.grad.
+                grads.relayout_if_strides_changed()
+                return
             adopt(p)
-        elif grad is not None and id(p) in grads.watched and p not in OWNERS:  # frozen at layout, trainable now
+        elif grad is not None and id(p) in grads.watched and p not in OWNERS and id(p) not in grads.ddp_reduced:  # frozen at layout, trainable now
             relayout = grads.relayout()
             if relayout is not None:
                 relayout()  # lays p out and moves this first gradient into its main_grad
@@ -159,6 +207,13 @@ UNREDUCED_MESSAGE = (
     "('Expected BFloat16, got Float'). Wrap the model with ampfused.distributed.data_parallel(model, opt) instead of "
     "DistributedDataParallel(model) (it all-reduces the fp32 gradients, 4 B/param), or build the optimizer with "
     "fp32_grad_accumulation=False (DDP reduces the fp16/bf16 gradients, 2 B/param)")
+
+
+DDP_FALLBACK_MESSAGE = (
+    "FusedAmpAdamW: {count} fp16/bf16 params are reduced by DistributedDataParallel, whose buckets have the param dtype: "
+    "their gradients are accumulated and all-reduced in that dtype (as with torch.optim.AdamW) and the step reads them "
+    "directly (fp32_grad_accumulation is off for them). For fp32 accumulation through the all-reduce, wrap the model "
+    "with ampfused.distributed.data_parallel(model, opt) instead of DistributedDataParallel(model)")
 
 
 def _multi_process() -> bool:

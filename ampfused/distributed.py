@@ -16,8 +16,9 @@ bf16 params with ``fp32_grad_accumulation=False`` sends 2 B per param in bf16. M
 ``python benchmarks/ddp_wire_bytes.py``.
 
 The reduction is ``SUM`` then ``/ world_size`` in fp32 (DDP's average). A param that got no gradient
-on this rank in the synced backward contributes zeros, and ends with a gradient (zeros where it was
-unused on every rank), like DDP's ``find_unused_parameters=True``.
+on any rank keeps ``grad None`` and is not stepped; one unused on some ranks gets the average of the
+others' gradients (zeros from the ranks that did not use it): DDP's ``find_unused_parameters=True``
+(see ``_Fp32Reducer._reduce``).
 """
 from __future__ import annotations
 
@@ -142,18 +143,37 @@ class _Fp32Reducer:
 
     @torch.no_grad()
     def _reduce(self) -> None:
+        """[note: unused params] A param with no gradient on this rank in the synced backward (``p.grad``
+        is not its ``main_grad``: autograd never reached it since the last clear) contributes zeros to the
+        gradient all-reduce and 0 to a used-map, one fp32 flag per param summed over the ranks in a second,
+        tiny all-reduce that overlaps the big one. Where the map says no rank used it, ``p.grad`` goes back
+        to None and the step leaves the param alone (params, moments, step count), as DDP's
+        ``find_unused_parameters=True`` leaves such a param's gradient untouched; where some rank used it,
+        it gets the average like every other param. A gradient kept from an earlier step (cleared with
+        ``set_to_none=False``) counts as used: DDP then steps it with zeros too."""
         import torch.distributed as dist
 
         self.queued = False
         self.sync = False
         flat = self.main_grads.flat
-        for p, view in zip(self.main_grads.params, flat.views):
-            if p.grad is not view:  # no gradient here this backward: contribute zeros (same bytes on every rank)
-                view.zero_()
-                p.grad = view
+        params = self.main_grads.params
+        used = torch.ones(len(params), dtype=torch.float32, device=flat.data.device)
+        unused_here = [i for i, (p, view) in enumerate(zip(params, flat.views)) if p.grad is not view]
+        for i in unused_here:  # zeros on the wire: every rank sends the same bytes
+            flat.views[i].zero_()
+        if unused_here:
+            used[unused_here] = 0.0
         world = dist.get_world_size(self.group)
-        dist.all_reduce(flat.data, op=dist.ReduceOp.SUM, group=self.group)
+        grads = dist.all_reduce(flat.data, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.group)
+        grads.wait()
         flat.data.div_(world)
+        if unused_here:
+            # [note: one read of the map] the host needs it to set p.grad to None; only rank-local unused
+            # params can be unused everywhere, so the common case (every param used here) reads nothing
+            used_anywhere = used[unused_here].tolist()
+            for i, count in zip(unused_here, used_anywhere):
+                params[i].grad = flat.views[i] if count else None
 
 
 # ---------------------------------------------------------------- ZeroRedundancyOptimizer
