@@ -92,5 +92,5 @@ def _as_float(value):
 
 def _plain_grad_for(p: Tensor, grad: Tensor) -> bool:
     """A grad the plan can take as is: what autograd produces for ``p`` (anything else goes through check_grad)."""
-    return (grad.layout is torch.strided and grad.shape == p.shape and grad.dtype in SUPPORTED_DTYPES
+    return (grad.layout is torch.strided and grad.shape == p.shape and (grad.dtype == p.dtype or (grad.dtype in SUPPORTED_DTYPES and p.dtype in SUPPORTED_DTYPES))
             and grad.device == p.device and grad.stride() == p.stride())

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
+from ._flat import SUPPORTED_DTYPES
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 # Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
@@ -117,13 +118,40 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = torch.ones((), dtype=torch.float32, device=device) if found_inf else None
     elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
+    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers)
+    wide = [i for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
+    if wide:  # [note: wide params] the kernels' share, and the rest for the reference passes
+        lists, wide_lists = _split(lists, wide)
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
-    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats)
+    if lists[0]:
+        backend.grad_stats_(lists[1], grad_scale, found_inf, max_grad_norm, stats)
+    else:
+        stats.zero_()
+    if wide:
+        from . import reference
+
+        wide_stats = torch.empty_like(stats)
+        reference.grad_stats_(wide_lists[1], grad_scale, found_inf, max_grad_norm, wide_stats)
+        stats[SUMSQ] += wide_stats[SUMSQ]
+        stats[SKIP] = torch.maximum(stats[SKIP], wide_stats[SKIP])  # both hold found_inf already
+        reference.finish_(stats, grad_scale, None, max_grad_norm)
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         from .reference import finish_  # the finish's spec (reference imports this module's slot names)
 
         finish_(stats, grad_scale, None, max_grad_norm)
-    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats)
+    if lists[0]:
+        backend.adamw_update_(*lists, stats)
+    if wide:
+        reference.adamw_update_(*wide_lists, stats)
     return stats[NORM], stats[SKIP]
+
+
+def _split(lists, wide: list[int]):
+    """(the lists without the ``wide`` indices, the ``wide`` entries with complex tensors as view_as_real)."""
+    wide_set = set(wide)
+    rest = tuple([x[i] for i in range(len(x)) if i not in wide_set] for x in lists)
+    as_real = lambda t: torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t  # noqa: E731
+    tensors = tuple([as_real(x[i]) for i in wide] for x in lists[:7])
+    return rest, (*tensors, [lists[7][i] for i in wide])
