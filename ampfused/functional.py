@@ -101,14 +101,20 @@ def fused_amp_adamw(
                     reduce_stats=reduce_stats)
 
 
+def wide_indices(params: Sequence[Tensor]) -> list[int]:
+    """Indices of the float64/complex tensors, which the reference passes serve ([note: wide params])."""
+    return [i for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
+
+
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
-             reduce_stats=None) -> tuple[Tensor, Tensor]:
+             reduce_stats=None, wide: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector.
 
     ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
     skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
-    the finish then runs again on them, so every rank takes the same decision.
+    the finish then runs again on them, so every rank takes the same decision. ``wide``: the
+    indices of the float64/complex tensors (computed when None).
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -119,7 +125,8 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
     lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers)
-    wide = [i for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
+    if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
+        wide = wide_indices(params)
     if wide:  # [note: wide params] the kernels' share, and the rest for the reference passes
         lists, wide_lists = _split(lists, wide)
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)

@@ -389,7 +389,8 @@ class FusedAmpAdamW(Optimizer):
             lists, reduce_stats = _dtensor.localize(*lists)
         self.grad_norm, skipped = functional.run_step(
             self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
-            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats)
+            max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, reduce_stats=reduce_stats,
+            wide=plan.wide)
         self._skipped = skipped
         return loss
 
