@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 ALIGN_BYTES = 128
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read and write
+# [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
+# through view_as_real) but the kernels never see them: functional.run_step hands them to the
+# reference passes inside the same step (one global norm, one skip flag), and their state is plain
+# tensors of the param's dtype, outside the flat fp32 buffers.
+WIDE_DTYPES = (torch.float64, torch.complex64, torch.complex128)
+PARAM_DTYPES = SUPPORTED_DTYPES + WIDE_DTYPES
 
 
 def is_dense(t: Tensor) -> bool:
@@ -74,7 +80,11 @@ def check_grad(p: Tensor, grad: Tensor) -> None:
         raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
     # [note: grad dtype] autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
     # for bf16 params are fine); the kernels read float32, float16 and bfloat16.
-    if grad.dtype not in SUPPORTED_DTYPES:
+    if p.dtype in WIDE_DTYPES or grad.dtype in WIDE_DTYPES:
+        if grad.dtype != p.dtype:
+            raise RuntimeError(f"gradient of dtype {grad.dtype} for a {p.dtype} parameter: a float64 or complex "
+                               "parameter takes a gradient of its own dtype")
+    elif grad.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(
             f"gradient of dtype {grad.dtype} for a {p.dtype} parameter: FusedAmpAdamW reads float32, float16 and "
             "bfloat16 gradients")

@@ -39,6 +39,7 @@ class StepPlan:
         self.max_exp_avg_sqs = [s.get("max_exp_avg_sq") if g["amsgrad"] else None for s, (_, _, g) in zip(states, work)]
         self.steps = [s["step"] for s in states]
         self.masters = [s.get("master_param") for s in states]
+        self.wide = functional.wide_indices(self.params)  # float64/complex: the reference passes' share
         counts: dict[int, int] = {}
         for _, _, g in work:
             counts[id(g)] = counts.get(id(g), 0) + 1

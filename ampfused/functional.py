@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
+from ._flat import SUPPORTED_DTYPES
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
 # Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
@@ -171,9 +172,14 @@ def _plain_stats(device: torch.device) -> Tensor:
     return stats
 
 
+def wide_indices(params: Sequence[Tensor]) -> list[int]:
+    """Indices of the float64/complex tensors, which the reference passes serve ([note: wide params])."""
+    return [i for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
+
+
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
-             skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None, scratch: Scratch | None = None
-             ) -> tuple[Tensor | None, Tensor]:
+             skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None, scratch: Scratch | None = None,
+             wide: list[int] | None = None) -> tuple[Tensor | None, Tensor]:
     """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
     zero without stats pass, see [note: the plain step]).
@@ -182,6 +188,7 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
     the finish then runs again on them, so every rank takes the same decision. ``scratch``: the
     caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
+    ``wide``: the indices of the float64/complex tensors (computed when None).
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -193,21 +200,52 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
     # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
     unscale_into_grads = None if keep_scaled_grads else grad_scale
+    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers)
+    if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
+        wide = wide_indices(params)
+    if wide:  # [note: wide params] the kernels' share, and the rest for the reference passes
+        from . import reference
+
+        lists, wide_lists = _split(lists, wide)
     if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
         stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
-        backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats,
-                              scratch=scratch)
+        if lists[0]:
+            backend.adamw_update_(*lists, stats, scratch=scratch)
+        if wide:
+            reference.adamw_update_(*wide_lists, stats)
         return None, stats[SKIP]
     # a scaler always skips on inf/NaN: the guard is off only without one
     check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
-    backend.grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats, scratch=scratch, check_nonfinite=check_nonfinite)
+    if lists[0]:
+        backend.grad_stats_(lists[1], grad_scale, found_inf, max_grad_norm, stats, scratch=scratch,
+                            check_nonfinite=check_nonfinite)
+    else:
+        stats.zero_()
+    if wide:
+        wide_stats = torch.empty_like(stats)
+        reference.grad_stats_(wide_lists[1], grad_scale, found_inf, max_grad_norm, wide_stats,
+                              check_nonfinite=check_nonfinite)
+        stats[SUMSQ] += wide_stats[SUMSQ]
+        stats[SKIP] = torch.maximum(stats[SKIP], wide_stats[SKIP])  # both hold found_inf already
+        reference.finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         from .reference import finish_  # the finish's spec (reference imports this module's slot names)
 
         finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
-    backend.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats,
-                          scratch=scratch, grad_scale=unscale_into_grads)
+    if lists[0]:
+        backend.adamw_update_(*lists, stats, scratch=scratch, grad_scale=unscale_into_grads)
+    if wide:
+        reference.adamw_update_(*wide_lists, stats, grad_scale=unscale_into_grads)
     return stats[NORM], stats[SKIP]
+
+
+def _split(lists, wide: list[int]):
+    """(the lists without the ``wide`` indices, the ``wide`` entries with complex tensors as view_as_real)."""
+    wide_set = set(wide)
+    rest = tuple([x[i] for i in range(len(x)) if i not in wide_set] for x in lists)
+    as_real = lambda t: torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t  # noqa: E731
+    tensors = tuple([as_real(x[i]) for i in wide] for x in lists[:7])
+    return rest, (*tensors, [lists[7][i] for i in wide])

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _backends, _compiled, _dtensor, _main_grad, distributed, functional
-from ._flat import SUPPORTED_DTYPES, FlatBuffer, check_grad as _check_grad, is_dense
+from ._flat import PARAM_DTYPES, SUPPORTED_DTYPES, FlatBuffer, check_grad as _check_grad, is_dense
 from ._plan import StepPlan
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -127,6 +127,7 @@ class FusedAmpAdamW(Optimizer):
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.grad_norm: Tensor | None = None
         self._backend_name = backend
+        self.backend_reason: str | None = None  # why the backend was chosen, set when it is resolved
         self._init_runtime()
         # [distributed] one partition of a ZeroRedundancyOptimizer: stats summed over its group (see [note: ZeRO])
         self._zero_reducer = distributed.zero_stats_reducer()
@@ -161,7 +162,8 @@ class FusedAmpAdamW(Optimizer):
                 "max_grad_norm": self.max_grad_norm, "master_weights": self.master_weights,
                 "skip_nonfinite": self.skip_nonfinite, "keep_scaled_grads": self.keep_scaled_grads,
                 "fp32_grad_accumulation": self.fp32_grad_accumulation, "grad_norm": self.grad_norm,
-                "_backend_name": self._backend_name, "_masters_pending": self._masters_pending}
+                "_backend_name": self._backend_name, "backend_reason": self.backend_reason,
+                "_masters_pending": self._masters_pending}
 
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / pickle / torch.load: flat state, main grads and hooks rebuilt on the (copied) params."""
@@ -219,10 +221,9 @@ class FusedAmpAdamW(Optimizer):
     def _check_param(self, p) -> None:
         if not isinstance(p, Tensor):
             raise TypeError(f"optimizer params must be Tensors, got {type(p).__name__}")
-        if p.is_complex():
-            raise ValueError("complex parameters are not supported by FusedAmpAdamW (use torch.view_as_real on a real copy)")
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"parameter dtype {p.dtype} is not supported: FusedAmpAdamW takes float32, float16 and bfloat16 params")
+        if p.dtype not in PARAM_DTYPES:
+            raise ValueError(f"parameter dtype {p.dtype} is not supported: FusedAmpAdamW takes float32, float16, bfloat16, "
+                             "float64, complex64 and complex128 params")
         if p.is_sparse:
             raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
         if not is_dense(p):
@@ -286,19 +287,23 @@ class FusedAmpAdamW(Optimizer):
         amsgrad = [p for g in self.param_groups if g["amsgrad"] for p in g["params"]]
         masters = [p for p in params if self._uses_master(p)]
         local = _dtensor.local_tensors  # [distributed] flat storage holds DTensor params' local shards
-        flat = {"exp_avg": FlatBuffer(local(params), self._device), "exp_avg_sq": FlatBuffer(local(params), self._device)}
-        if amsgrad:
-            flat["max_exp_avg_sq"] = FlatBuffer(local(amsgrad), self._device)
+        flat_params, flat_amsgrad = ([p for p in ps if p.dtype in SUPPORTED_DTYPES] for ps in (params, amsgrad))
+        flat = {"exp_avg": FlatBuffer(local(flat_params), self._device), "exp_avg_sq": FlatBuffer(local(flat_params), self._device)}
+        if flat_amsgrad:
+            flat["max_exp_avg_sq"] = FlatBuffer(local(flat_amsgrad), self._device)
         if masters:
             flat["master_param"] = FlatBuffer(local(masters), self._device)
         steps = torch.zeros(len(params), dtype=torch.float32, device=self._device)
         index = {p: i for i, p in enumerate(params)}
-        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (("exp_avg", params), ("exp_avg_sq", params), ("max_exp_avg_sq", amsgrad), ("master_param", masters))}
+        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (("exp_avg", flat_params), ("exp_avg_sq", flat_params), ("max_exp_avg_sq", flat_amsgrad), ("master_param", masters))}
+        slots["max_exp_avg_sq"].update((p, None) for p in amsgrad if p.dtype not in SUPPORTED_DTYPES)
         for p, state in self.state.items():
             if not state:
                 continue
             steps[index[p]].copy_(state["step"])
             state["step"] = steps[index[p]]
+            if p.dtype not in SUPPORTED_DTYPES:  # [note: wide params] their state keeps its own tensors
+                continue
             for key in MOMENT_KEYS:
                 if key in state:
                     view = flat[key].views[slots[key][p]]
@@ -309,6 +314,8 @@ class FusedAmpAdamW(Optimizer):
 
     def _view(self, key: str, p: Tensor) -> Tensor:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
+        if p.dtype not in SUPPORTED_DTYPES:  # [note: wide params] a tensor of its own, in the param's dtype
+            return torch.zeros_like(p, memory_format=torch.preserve_format)
         return _dtensor.like_param(self._state_flat[key].views[self._slots[key][p]], p)
 
     def _init_state(self, p: Tensor, amsgrad: bool) -> None:
@@ -334,6 +341,9 @@ class FusedAmpAdamW(Optimizer):
 
     def _grads_to_step(self) -> list[tuple[Tensor, Tensor, dict]]:
         """(param, p.grad, group) for every param that has a gradient; validates before any write."""
+        if self._device is not None and self._device.type == "meta":
+            raise RuntimeError("FusedAmpAdamW cannot step parameters on the meta device (they hold no data): "
+                               "materialize the model first (e.g. model.to_empty(device=...) and initialize it)")
         self._main_grads.relayout_if_strides_changed()
         out = []
         for group in self.param_groups:
@@ -405,7 +415,7 @@ class FusedAmpAdamW(Optimizer):
             self._get_backend(), *lists[:5], plan.steps, lists[5], hypers,
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
             skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
-            scratch=plan.scratch)
+            scratch=plan.scratch, wide=plan.wide)
         self._skipped = skipped
         return loss
 

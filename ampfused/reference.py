@@ -40,7 +40,7 @@ def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: T
     sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
     bad = torch.zeros((), dtype=torch.bool, device=stats.device)
     for grad in grads:
-        u = grad.float().reshape(-1)
+        u = grad.to(_math_dtype(grad.dtype)).reshape(-1)  # fp64 grads: fp64 sum (the fp32 sumsq may overflow to inf)
         if inv_scale is not None:
             u = u * inv_scale
         sumsq.add_(torch.dot(u, u))
@@ -48,6 +48,11 @@ def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: T
     stats[SUMSQ] = sumsq
     stats[SKIP] = bad.float()
     finish_(stats, grad_scale, found_inf, max_grad_norm, check_nonfinite=check_nonfinite)
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 math for fp16/bf16/fp32 tensors, fp64 for fp64 ones (as torch.optim.AdamW)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None, *,
@@ -87,13 +92,13 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     for i in range(len(params)):
         _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i], hypers[i], factor, keep)
         if inv_scale is not None:  # the unscaled gradient, in the grad's dtype (RNE), as torch's fused AdamW leaves it
-            grads[i].copy_(torch.where(keep, grads[i], (grads[i].float() * inv_scale).to(grads[i].dtype)))
+            grads[i].copy_(torch.where(keep, grads[i], (grads[i].to(_math_dtype(grads[i].dtype)) * inv_scale).to(grads[i].dtype)))
 
 
 def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h, factor, keep) -> None:
     weights = master if master is not None else param
-    w = weights.float()
-    g = grad.float() * factor
+    w = weights.to(_math_dtype(weights.dtype))
+    g = grad.to(w.dtype) * factor
     if h.maximize:
         g = g.neg()
     lr = h.lr.to(device=param.device, dtype=torch.float64, non_blocking=True) if isinstance(h.lr, Tensor) else h.lr
