@@ -25,7 +25,7 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "")
+        hardware = cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "") + f", {cpu_isa()}"
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": device.type,
@@ -37,6 +37,14 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
         "threads": str(threads),
         "loadavg": loadavg(),
     }
+
+
+def cpu_isa() -> str:
+    """Which ISA variant of the compiled CPU loops runs (AMPFUSED_CPU_ISA forces one)."""
+    from ampfused import _compiled
+
+    module, why = _compiled.load()
+    return f"ampfused._C ISA {module.CPU_ISA}" if module is not None else "no ampfused._C"
 
 
 def cpu_model() -> str:

@@ -50,10 +50,11 @@ AMPFUSED_HD uint32_t float_to_bits(float f) {
 AMPFUSED_HD float to_float(float x) { return x; }
 AMPFUSED_HD float to_float(BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
 
-// [note: fp16 on the host] the conversions below are branch-free integer/float formulas that the
-// compiler vectorizes in every ISA build. GCC compiles `_Float16` casts inside these loops to one
-// scalar vcvtph2ps/vcvtps2ph per element (or a libgcc call without F16C), which made fp16 params
-// and grads 4x slower than bf16 on CPU.
+// [note: fp16 on the host] the conversions below are branch-free integer/float formulas, bitwise
+// equal to F16C's vcvtph2ps / vcvtps2ph (round to nearest even), which torch's CPU conversions use.
+// The AVX2/AVX-512 hot loops convert whole blocks with those instructions instead (kernels_impl.h:
+// GCC vectorizes these formulas poorly, and `_Float16` casts compile to one scalar conversion per
+// element); the formulas serve the baseline build and the tails of blocks.
 AMPFUSED_HD float to_float(Half x) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(x.x));
@@ -105,7 +106,10 @@ template <> AMPFUSED_HD Half from_float<Half>(float f) {
   const uint32_t exp_bits = (bits >> 13) & 0x00007c00u;
   const uint32_t mantissa_bits = bits & 0x00000fffu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  out.x = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+  // NaN keeps its sign and the top 9 bits of its payload, quieted: what F16C's vcvtps2ph (and so
+  // torch's `.to(torch.float16)` on x86) gives, so the baseline build matches the F16C builds bitwise
+  const uint32_t nan_bits = 0x7e00u | ((w >> 13) & 0x03ffu);
+  out.x = static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? nan_bits : nonsign));
 #endif
   return out;
 }

@@ -8,6 +8,8 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <exception>
+
 #include "cpu/cpu_kernels.h"
 
 // [note: no optional mutable lists] max_exp_avg_sqs and masters use an empty tensor where a param
@@ -48,6 +50,12 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyModule_AddIntConstant(module, "WITH_CUDA", 0);
 #endif
   PyModule_AddStringConstant(module, "TORCH_VERSION", TORCH_VERSION);  // the torch this was built against
-  PyModule_AddStringConstant(module, "CPU_ISA", ampfused::cpu::kernels().name);
+  try {
+    PyModule_AddStringConstant(module, "CPU_ISA", ampfused::cpu::kernels().name);
+  } catch (const std::exception& e) {  // a bad AMPFUSED_CPU_ISA: the import fails and says why
+    Py_DECREF(module);
+    PyErr_SetString(PyExc_ImportError, e.what());
+    return nullptr;
+  }
   return module;
 }

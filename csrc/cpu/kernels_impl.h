@@ -11,6 +11,8 @@
 #error "define AMPFUSED_ISA before including kernels_impl.h"
 #endif
 
+#include <type_traits>
+
 #include "../adamw_math.h"
 #include "../dtypes.h"
 #include "cpu_kernels.h"
@@ -19,9 +21,63 @@ namespace ampfused {
 namespace cpu {
 namespace AMPFUSED_ISA {
 
+// ------------------------------------------------------------------ block conversions
+// [note: fp16 by blocks] With F16C (AMPFUSED_F16C, the AVX2 and AVX-512 builds) fp16 data is
+// converted 8 elements per instruction into a float block in L1 (kConvert elements, 1-2 KB), and the
+// loop body runs on floats; the conversions are exact (half -> float) and round to nearest even
+// (float -> half), bitwise what dtypes.h's formulas and torch give. fp32 and bf16 loops read their
+// data directly (GCC vectorizes bf16's shift).
+constexpr int64_t kConvert = 512;
+
+template <typename T> struct Converted { static constexpr bool value = false; };
+#if defined(AMPFUSED_F16C)
+template <> struct Converted<Half> { static constexpr bool value = true; };
+#endif
+
+// dst[i] = float(src[i]) for i < n
+template <typename T>
+AMPFUSED_HD void widen(float* __restrict dst, const T* __restrict src, int64_t n) {
+  int64_t i = 0;
+#if defined(AMPFUSED_F16C)
+  if constexpr (Converted<T>::value) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// dst[i] = T(src[i]) for i < n, rounded to nearest even
+template <typename T>
+AMPFUSED_HD void narrow(T* __restrict dst, const float* __restrict src, int64_t n) {
+  int64_t i = 0;
+#if defined(AMPFUSED_F16C)
+  if constexpr (Converted<T>::value) {
+    for (; i + 8 <= n; i += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// ------------------------------------------------------------------ accumulate
+
 template <typename G>
 void accumulate_t(float* __restrict dst, const G* __restrict src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] + to_float(src[i]);
+  if constexpr (Converted<G>::value) {
+    float buf[kConvert];
+    for (int64_t b = 0; b < n; b += kConvert) {
+      const int64_t len = n - b < kConvert ? n - b : kConvert;
+      widen(buf, src + b, len);
+      float* __restrict d = dst + b;
+      for (int64_t i = 0; i < len; ++i) d[i] = d[i] + buf[i];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = dst[i] + to_float(src[i]);
+  }
 }
 
 void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
@@ -39,34 +95,47 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
 // elements on AVX-512). The identity holds because build_extension.py compiles every CPU file with
 // -ffp-contract=off (no fma can absorb the product into u - u: see [note: explicit finiteness] in
 // adamw_math.h for what happens otherwise); the GPU kernels test the exponent bits instead.
+constexpr int kLanes = 16;
+constexpr int64_t kSumBlock = 2048;  // float partials stay short; blocks are summed in double
+
+// one kSumBlock block of g: its float sum of squares (16 lanes, then in order), and d += u - u
+template <typename T>
+AMPFUSED_HD float sumsq_block(const T* __restrict g, float inv, float& bad) {
+  float acc[kLanes] = {};
+  float d[kLanes] = {};
+  for (int64_t j = 0; j < kSumBlock; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float u = to_float(g[j + k]) * inv;
+      acc[k] += u * u;
+    }
+  }
+  for (int64_t j = 0; j < kSumBlock; j += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float u = to_float(g[j + k]) * inv;
+      d[k] += u - u;
+    }
+  }
+  float block = 0.f;
+  for (int k = 0; k < kLanes; ++k) {
+    block += acc[k];
+    bad += d[k];
+  }
+  return block;
+}
+
 template <typename G>
 SumSq sumsq_t(const G* __restrict g, int64_t n, float inv) {
-  constexpr int kLanes = 16;
-  constexpr int64_t kBlock = 2048;  // float partials stay short; blocks are summed in double
   double total = 0.0;
   float bad = 0.f;
   int64_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    float acc[kLanes] = {};
-    float d[kLanes] = {};
-    for (int64_t j = 0; j < kBlock; j += kLanes) {
-      for (int k = 0; k < kLanes; ++k) {
-        const float u = to_float(g[i + j + k]) * inv;
-        acc[k] += u * u;
-      }
+  for (; i + kSumBlock <= n; i += kSumBlock) {
+    if constexpr (Converted<G>::value) {
+      float buf[kSumBlock];  // 8 KB: stays in L1 for the block's two loops
+      widen(buf, g + i, kSumBlock);
+      total += sumsq_block(static_cast<const float*>(buf), inv, bad);
+    } else {
+      total += sumsq_block(g + i, inv, bad);
     }
-    for (int64_t j = 0; j < kBlock; j += kLanes) {
-      for (int k = 0; k < kLanes; ++k) {
-        const float u = to_float(g[i + j + k]) * inv;
-        d[k] += u - u;
-      }
-    }
-    float block = 0.f;
-    for (int k = 0; k < kLanes; ++k) {
-      block += acc[k];
-      bad += d[k];
-    }
-    total += block;
   }
   float tail = 0.f;
   for (; i < n; ++i) {
@@ -85,19 +154,12 @@ SumSq sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
   }
 }
 
+// The update of n elements; P and G are the types as the loop reads them (float for a block that
+// was widened, see [note: fp16 by blocks]); with WRITE_GRAD, g_out[i] gets the unscaled gradient.
 template <typename P, typename G, bool MASTER, bool AMSGRAD, bool WRITE_GRAD>
-void update_t(const UpdateRange& r) {
-  const int64_t n = r.end - r.begin;
-  P* __restrict p = static_cast<P*>(r.param) + r.begin;
-  const G* __restrict g = static_cast<const G*>(r.grad) + r.begin;
-  float* __restrict m = r.exp_avg + r.begin;
-  float* __restrict v = r.exp_avg_sq + r.begin;
-  float* __restrict vmax = AMSGRAD ? r.max_exp_avg_sq + r.begin : nullptr;
-  float* __restrict master = MASTER ? r.master + r.begin : nullptr;
-  const AdamWScalars s = *r.scalars;
-  const float factor = r.factor;
-  G* __restrict g_out = WRITE_GRAD ? static_cast<G*>(r.grad_out) + r.begin : nullptr;
-  const float unscale = r.unscale;
+AMPFUSED_HD void update_span(P* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
+                             float* __restrict vmax, float* __restrict master, G* __restrict g_out,
+                             const AdamWScalars& s, float factor, float unscale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float w = MASTER ? master[i] : to_float(p[i]);
     float mi = m[i];
@@ -111,6 +173,56 @@ void update_t(const UpdateRange& r) {
     if (AMSGRAD) vmax[i] = vmaxi;
     if (MASTER) master[i] = w;
     p[i] = from_float<P>(w);
+  }
+}
+
+template <typename P, typename G, bool MASTER, bool AMSGRAD, bool WRITE_GRAD>
+void update_t(const UpdateRange& r) {
+  const int64_t n = r.end - r.begin;
+  P* __restrict p = static_cast<P*>(r.param) + r.begin;
+  const G* __restrict g = static_cast<const G*>(r.grad) + r.begin;
+  float* __restrict m = r.exp_avg + r.begin;
+  float* __restrict v = r.exp_avg_sq + r.begin;
+  float* __restrict vmax = AMSGRAD ? r.max_exp_avg_sq + r.begin : nullptr;
+  float* __restrict master = MASTER ? r.master + r.begin : nullptr;
+  G* __restrict g_out = WRITE_GRAD ? static_cast<G*>(r.grad_out) + r.begin : nullptr;
+  const AdamWScalars s = *r.scalars;
+  const float factor = r.factor;
+  const float unscale = r.unscale;
+  if constexpr (Converted<P>::value || Converted<G>::value) {
+    // fp16 param or grad: by blocks through float buffers (the other side is read directly)
+    using PBlock = std::conditional_t<Converted<P>::value, float, P>;
+    using GBlock = std::conditional_t<Converted<G>::value, float, G>;
+    float pbuf[kConvert], gbuf[kConvert], gobuf[kConvert];
+    for (int64_t b = 0; b < n; b += kConvert) {
+      const int64_t len = n - b < kConvert ? n - b : kConvert;
+      PBlock* pb;
+      const GBlock* gb;
+      GBlock* gob = nullptr;
+      if constexpr (Converted<P>::value) {
+        if (!MASTER) widen(pbuf, p + b, len);  // with a master, p is only written
+        pb = pbuf;
+      } else {
+        pb = p + b;
+      }
+      if constexpr (Converted<G>::value) {
+        widen(gbuf, g + b, len);
+        gb = gbuf;
+        if (WRITE_GRAD) gob = gobuf;
+      } else {
+        gb = g + b;
+        if (WRITE_GRAD) gob = g_out + b;
+      }
+      update_span<PBlock, GBlock, MASTER, AMSGRAD, WRITE_GRAD>(pb, gb, m + b, v + b, AMSGRAD ? vmax + b : nullptr,
+                                                               MASTER ? master + b : nullptr, gob, s, factor, unscale,
+                                                               len);
+      if constexpr (Converted<P>::value) narrow(p + b, pbuf, len);
+      if constexpr (Converted<G>::value) {
+        if (WRITE_GRAD) narrow(g_out + b, gobuf, len);
+      }
+    }
+  } else {
+    update_span<P, G, MASTER, AMSGRAD, WRITE_GRAD>(p, g, m, v, vmax, master, g_out, s, factor, unscale, n);
   }
 }
 

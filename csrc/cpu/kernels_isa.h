@@ -12,6 +12,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // its intrinsics carry their own target attributes
+#endif
 
 #include "cpu_kernels.h"
 
@@ -26,6 +30,7 @@ AMPFUSED_PRAGMA(clang attribute push(__attribute__((target(AMPFUSED_CLANG_TARGET
 AMPFUSED_PRAGMA(GCC target(AMPFUSED_GCC_TARGET))
 #endif
 #define AMPFUSED_HAVE_FMA 1  // every x86 variant built here has FMA (see adamw_math.h)
+#define AMPFUSED_F16C 1       // ... and F16C (kernels_impl.h: [note: fp16 by blocks])
 #include "kernels_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop

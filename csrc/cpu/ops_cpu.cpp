@@ -14,6 +14,7 @@
 #include <thread>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "../adamw_math.h"
@@ -27,24 +28,41 @@ namespace {
 
 constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
 
-bool isa_allowed(const char* isa) {
-  // ATEN_CPU_CAPABILITY caps ATen's kernels; it caps ours the same way.
-  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-  if (cap == nullptr || *cap == '\0') return true;
-  const std::string c(cap);
-  if (std::strcmp(isa, "avx512") == 0) return c == "avx512";
-  if (std::strcmp(isa, "avx2") == 0) return c == "avx512" || c == "avx2";
-  return true;
+// [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
+// (default|avx2|avx512) as ATen's own kernels are. AMPFUSED_CPU_ISA=base|avx2|avx512 overrides the
+// cap, for tests and the bench (an AVX-512 machine can run the AVX2 or baseline loops); a variant
+// the CPU lacks is not taken (CPU_ISA says which one runs). Read once, at the first use.
+int isa_rank(const std::string& name) {
+  if (name == "avx512") return 2;
+  if (name == "avx2") return 1;
+  if (name == "base" || name == "default") return 0;
+  return -1;
+}
+
+int isa_cap() {
+  const char* ours = std::getenv("AMPFUSED_CPU_ISA");
+  if (ours != nullptr && *ours != '\0') {
+    const int rank = isa_rank(ours);
+    if (rank < 0) {
+      throw std::invalid_argument(std::string("AMPFUSED_CPU_ISA=") + ours + ": use base, avx2 or avx512");
+    }
+    return rank;
+  }
+  const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+  if (aten == nullptr || *aten == '\0') return 2;
+  const int rank = isa_rank(aten);
+  return rank < 0 ? 0 : rank;
 }
 
 const IsaKernels* choose() {
+  const int cap = isa_cap();
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && kernels_avx512() != nullptr && isa_allowed("avx512")) return kernels_avx512();
-  if (avx2 && kernels_avx2() != nullptr && isa_allowed("avx2")) return kernels_avx2();
+  if (avx512 && kernels_avx512() != nullptr && cap >= 2) return kernels_avx512();
+  if (avx2 && kernels_avx2() != nullptr && cap >= 1) return kernels_avx2();
 #endif
   return kernels_base();
 }
