@@ -31,8 +31,9 @@ def _scaler_update_kernel(found_inf_ptr, scale_ptr, growth_ptr, hysteresis_ptr, 
     grow = good_steps == growth_interval
     scale = tl.load(scale_ptr)
     # torch multiplies in double and rounds once; the fp64 factors arrive as three exact fp32 parts
-    growth_factor = growth_hi.to(tl.float64) + growth_mid.to(tl.float64) + growth_lo.to(tl.float64)
-    backoff_factor = backoff_hi.to(tl.float64) + backoff_mid.to(tl.float64) + backoff_lo.to(tl.float64)
+    # (tl.cast, not .to: the interpreter passes a 0.0 part as a plain Python float)
+    growth_factor = tl.cast(growth_hi, tl.float64) + tl.cast(growth_mid, tl.float64) + tl.cast(growth_lo, tl.float64)
+    backoff_factor = tl.cast(backoff_hi, tl.float64) + tl.cast(backoff_mid, tl.float64) + tl.cast(backoff_lo, tl.float64)
     grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
     backed_off = (scale.to(tl.float64) * backoff_factor).to(tl.float32)
     if HAS_MIN_SCALE:
