@@ -55,7 +55,9 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
         assert (r["host_ratio_vs_torch_fused"] != "") == r["provider"].startswith("ampfused-")
     assert {r["clip"] for r in host_rows} == {"True", "False"}
     fp32 = {r["provider"]: float(r["bytes_per_param"]) for r in rows if r["config"] == "fp32-scaled-clip"}
-    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 32  # docs/design.md §4
+    assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 36  # docs/design.md §4: 32 + the unscaled p.grad write
+    kept = [v for name, v in fp32.items() if name.endswith("+keep_scaled_grads")]
+    assert kept and all(v == 32 for v in kept)  # the first backend's row without the p.grad write
     assert "| torch-fused |" in (out / "bench.md").read_text()
 
 
@@ -175,11 +177,12 @@ def test_strict_fails_the_run_on_unstable_timings(tmp_path):
             "--max-spread", "1e-9"]  # no real timing is that steady
     proc = run([*args, "--out", str(tmp_path / "a"), "--strict"], cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "--strict: 3 unstable timings" in proc.stderr and "correctness gate: PASSED" in proc.stdout
+    # torch x2, ampfused, ampfused+keep_scaled_grads
+    assert "--strict: 4 unstable timings" in proc.stderr and "correctness gate: PASSED" in proc.stdout
     rows = read_rows(tmp_path / "a" / "bench.csv")
     assert all(r["unstable"] for r in rows)
     assert "**unstable**" in (tmp_path / "a" / "bench.md").read_text()
-    assert "3 of 3 timings unstable" in (tmp_path / "a" / "summary.md").read_text()
+    assert "4 of 4 timings unstable" in (tmp_path / "a" / "summary.md").read_text()
 
 
 # ---------------------------------------------------------------- optional dependencies

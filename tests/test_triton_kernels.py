@@ -145,7 +145,7 @@ print("update registers", regs, "spills", spills)
 # [note: loads first] the first FP math of the block loop comes after its global loads
 body = ptx[ptx.index("ld.global.v4"):]
 assert body[:body.index("mul.rn.f32")].count("ld.global.v4") >= 4, "update: math before the g, w, m, v loads"
-assert regs <= 64, f"update kernel uses {regs} registers at {_runtime.NUM_WARPS} warps: below full occupancy"
+assert regs <= _runtime.UPDATE_MAXNREG, f"update kernel uses {regs} registers at {_runtime.NUM_WARPS} warps (budget {_runtime.UPDATE_MAXNREG}: see [note: update block])"
 assert spills <= 16, f"update kernel spills {spills} bytes"
 # the variant that also writes the unscaled gradient back (a scaled step, DESIGN 2.7)
 update_w = compile_kernel(adamw._adamw_update_kernel, update_sig,
@@ -155,7 +155,7 @@ regs_w, spills_w = registers(update_w)
 print("update (writes grads) registers", regs_w, "spills", spills_w)
 # [note: grad-writing spills] measured 32 spill bytes at maxnreg 64 (12 without the write); storing
 # the unscaled grad at the end of the block instead spills 48. Bounded here; its cost on a GPU is unmeasured.
-assert regs_w <= 64 and spills_w <= 32, f"update kernel writing grads: {regs_w} registers, {spills_w} spill bytes"
+assert regs_w <= _runtime.UPDATE_MAXNREG and spills_w <= 32, f"update kernel writing grads: {regs_w} registers, {spills_w} spill bytes"
 for flags in ((True, True, True, True), (False, False, False, True), (False, False, True, False)):
     has_scale, has_found_inf, clip, check_nonfinite = flags
     k = compile_kernel(stats._grad_stats_kernel,
@@ -180,7 +180,8 @@ for bf16 in (True, False):
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, "accumulate: not in 16-byte vectors"
 compile_kernel(scaler._scaler_update_kernel,
                dict(found_inf_ptr="*fp32", scale_ptr="*fp32", growth_ptr="*i32", hysteresis_ptr="*i32", skipped_ptr="*i64",
-                    consecutive_ptr="*i64", watch_ptr="*fp64", growth_factor="fp32", backoff_factor="fp32",
+                    consecutive_ptr="*i64", watch_ptr="*fp64", growth_hi="fp32", growth_mid="fp32", growth_lo="fp32",
+                    backoff_hi="fp32", backoff_mid="fp32", backoff_lo="fp32",
                     min_scale="fp32", growth_interval="i32", hysteresis="i32"), dict(HAS_MIN_SCALE=True), num_warps=1)
 print("compiled")
 """
@@ -189,7 +190,7 @@ print("compiled")
 def test_kernels_compile_for_a_gpu_without_one():
     """The GPU code path, compiled for sm_90 on any machine (Triton ships ptxas): CI without a GPU
     still catches what the interpreter accepts but the compiler refuses, and the update kernel's
-    register count (<= 64 at 4 warps: full occupancy) and vector accesses are asserted."""
+    register count (<= UPDATE_MAXNREG at 4 warps: see [note: update block]) and vector accesses are asserted."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # cwd outside the checkout: `python -c` would import the source tree, which has no ampfused.kernels
