@@ -125,7 +125,7 @@ def copy_back_unscaled(grads, kernel_grads) -> None:
 
 
 class CompiledBackend:
-    """The three passes of ``_backends`` over ``torch.ops.ampfused`` for one device type."""
+    """The four passes of ``_backends`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
 
     def __init__(self, name: str, module):
         self.NAME = name

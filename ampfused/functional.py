@@ -25,7 +25,7 @@ from . import _backends, _dtensor
 from ._flat import SUPPORTED_DTYPES
 
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
-# Slots of the stats vector (kernels/stats.py and csrc/ops_common.h spell them again).
+# Slots of the stats vector (kernels/stats.py and csrc/adamw_math.h spell them again).
 NORM, SKIP, FACTOR, SUMSQ = 0, 1, 2, 3
 STATS_SIZE = 4
 # Bytes of a launch scratch (csrc/cuda/ops_cuda.cpp kScratchBytes): the stats pass's ticket counter at
