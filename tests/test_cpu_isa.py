@@ -109,8 +109,9 @@ def test_widest_isa_is_dispatched_and_every_variant_is_bitwise_equal(tmp_path):
                 assert bool(same.all())
 
 
-def test_bad_isa_name_fails_the_import_and_says_why():
+def test_bad_isa_name_fails_the_import_and_says_why(tmp_path):
+    # cwd outside the checkout: `python -c` would import the source tree's ampfused (no _C in a non-editable install)
     proc = subprocess.run([sys.executable, "-c", "import ampfused._C"], env=environment("avx3"), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
     assert "AMPFUSED_CPU_ISA=avx3: use base, avx2 or avx512" in proc.stderr
