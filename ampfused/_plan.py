@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
