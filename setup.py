@@ -6,12 +6,12 @@ The Python package always installs. The compiled extension ``ampfused._C`` is ad
 import importlib.util
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-PACKAGES = ["ampfused", "ampfused.kernels", "ampfused.benchmarks"]
-# [note: package-dir mapping] kernels/ and benchmarks/ live at the repo top level (DESIGN §5)
-# and are installed inside the package so nothing is ever importable as a top-level `kernels`.
-PACKAGE_DIR = {"ampfused": "ampfused", "ampfused.kernels": "kernels", "ampfused.benchmarks": "benchmarks"}
+# The source tree is the import tree: ampfused/kernels (Triton) and ampfused/bench (the main job,
+# `python -m ampfused bench`) are subpackages; benchmarks/ holds one-off studies and GPU scripts
+# that run from a checkout and are not installed.
+PACKAGES = find_packages(include=["ampfused", "ampfused.*"])
 
 
 def extension_kwargs():
@@ -25,4 +25,4 @@ def extension_kwargs():
     return module.extension_kwargs()
 
 
-setup(packages=PACKAGES, package_dir=PACKAGE_DIR, **extension_kwargs())
+setup(packages=PACKAGES, **extension_kwargs())

@@ -4,7 +4,7 @@
 # Builds the extension with AMPFUSED_BUILD_CUDA=1 against a CUDA build of torch in a fresh venv, from
 # a copy of the tracked tree (so the dev build/ and .so are never mixed in), then imports
 # ampfused._C and checks that CPU and CUDA kernels are registered for every op, that the .so
-# carries sm_90 code, and runs the CPU tier of tests/test_compiled_ops.py under that torch.
+# carries sm_90 code, and runs the CPU tier of tests/contract/test_compiled_ops.py under that torch.
 #
 # Knobs: AMPFUSED_CI_TORCH (default torch==2.14.1, a CUDA 13.0 build), AMPFUSED_CI_CUDA_VENV (venv
 # path, default .ci-venv-cuda in the repo; reused when it already has that torch),
@@ -90,5 +90,5 @@ PY
 say "import check done"
 # CPU tier of the op tests under this torch (GPU tests skip here); pytest, not `python -m pytest`,
 # so that `import ampfused` is the installed package with its _C, not the copied source tree
-cd "$WORK" && "$VENV/bin/pytest" -q -p no:cacheprovider tests/test_compiled_ops.py
+cd "$WORK" && "$VENV/bin/pytest" -q -p no:cacheprovider tests/contract/test_compiled_ops.py
 say "finished"

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"info takes no arguments: {' '.join(rest)}")
         return info()
-    from .benchmarks import bench
+    from .bench import bench
 
     return bench.main(rest)
 

@@ -6,7 +6,7 @@ foreach=True))`` + ``scaler.update()`` against ``FusedAmpAdamW(backend="cpu")`` 
 (the providers of ``bench.py``, correctness-gated the same way). Target: >= 1.3x over fused,
 >= 4x over foreach.
 
-    python -m ampfused.benchmarks.cpu_one_thread [--params 30M]
+    python benchmarks/cpu_one_thread.py [--params 30M]
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import sys
 
 import torch
 
-from . import cli, configs, measure, providers
+from ampfused.bench import cli, configs, measure, providers
 
 STOCK_FUSED_TARGET, STOCK_FOREACH_TARGET = 1.3, 4.0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ampfused.benchmarks.cpu_one_thread")
+    parser = argparse.ArgumentParser(prog="python benchmarks/cpu_one_thread.py")
     parser.add_argument("--params", type=cli.parse_size, default=30_000_000, help="total parameter count, e.g. 20M, 30M")
     args = parser.parse_args(argv)
     total = args.params

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first-contact GPU check (issue 16 item 7): ONE command of at most 6 minutes on an H200 (torch
+# The first-contact GPU check: ONE command of at most 6 minutes on an H200 (torch
 # 2.11, Triton 3.6, no internet), so that a rerun fits in the same 15-minute device lease.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh            # default OUT: ./gpu-results

@@ -1,6 +1,6 @@
-"""Where should the NaN guard read the gradients: in backward, or in the step? (issue 11, item 7)
+"""Where should the NaN guard read the gradients: in backward, or in the step?
 
-``python -m ampfused.benchmarks.grad_stats_placement``: the sum of squares and the non-finite flag
+``python benchmarks/grad_stats_placement.py``: the sum of squares and the non-finite flag
 must be known before the update writes anything (DESIGN §2.2). On fp32 params they cost one read
 of every gradient (4 B/param). This times the two places that read can live, interleaved, on the
 same GPT-2-like 4M-param shapes at 1 and 2 threads:
@@ -24,7 +24,7 @@ import torch
 
 from ampfused import _compiled
 
-from .configs import shape_set
+from ampfused.bench.configs import shape_set
 
 
 class Model:

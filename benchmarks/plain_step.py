@@ -1,6 +1,6 @@
 """The plainest drop-in, interleaved: fp32 params, no scaler, no clipping, at 1 and 2 threads.
 
-``python -m ampfused.benchmarks.plain_step``: ``torch.optim.AdamW(fused=True).step()`` against
+``python benchmarks/plain_step.py``: ``torch.optim.AdamW(fused=True).step()`` against
 ``FusedAmpAdamW().step()`` (the NaN guard on: ``ampfused``) and ``FusedAmpAdamW(skip_nonfinite=False)``
 (torch's own semantics, one pass: ``ampfused-plain``) -- and DeepSpeed's ``DeepSpeedCPUAdam`` when ``deepspeed`` is installed
 (its cpu_adam op is built on first use, about a minute) -- on the same GPT-2-like 4M-param shapes
@@ -22,7 +22,7 @@ import torch
 
 import ampfused
 
-from .configs import shape_set
+from ampfused.bench.configs import shape_set
 
 
 def _deepspeed_adam():

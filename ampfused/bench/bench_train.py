@@ -1,6 +1,6 @@
 """End-to-end training benchmark: a small byte-level GPT on the Python standard library's source.
 
-Run as ``python -m ampfused.benchmarks.bench_train`` (or ``python -m ampfused bench train``).
+Run as ``python -m ampfused.bench.bench_train`` (or ``python -m ampfused bench train``).
 Every variant trains the same model from the same initial weights on the same batches, with
 gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1.0:
 
@@ -61,7 +61,7 @@ MAX_GRAD_NORM = 1.0
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv, prog="python -m ampfused.benchmarks.bench_train"):
+def parse_args(argv, prog="python -m ampfused.bench.bench_train"):
     from ampfused import _backends
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -297,7 +297,7 @@ def plot_losses(results, env, out) -> str:
     return path
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m ampfused.benchmarks.bench_train") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ampfused.bench.bench_train") -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     parser, args = parse_args(argv, prog)
     device = cli.pick_device(parser, args.device)

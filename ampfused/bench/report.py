@@ -144,14 +144,14 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
         f"- {load_line(env)}; per row: 'other cores' during that case",
         f"- timing: {budget.min_samples}+ samples and {budget.min_s:g}+ s per timing, all providers of a case and the "
-        f"roofline stream interleaved (benchmarks/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
+        f"roofline stream interleaved (ampfused/bench/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
         f"{100 * budget.max_spread:.0f}% of the median",
     ]
     head += [f"- not measured: {name} ({why})" for name, why in skipped.items()]
     head += [
         "- timed: one optimizer step's tail (micro-batch gradient folding, unscale, clip, AdamW, scaler update, "
-        "low-precision write-back); see benchmarks/providers.py",
-        "- B/param: modeled bytes moved per parameter (benchmarks/providers.py `bytes_per_param`); "
+        "low-precision write-back); see ampfused/bench/providers.py",
+        "- B/param: modeled bytes moved per parameter (ampfused/bench/providers.py `bytes_per_param`); "
         "% of roofline: effective GB/s over the GB/s of an in-place stream a += b moving the same bytes, timed interleaved with the providers",
         "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact); peak MiB: "
         "measured peak above the level before the provider was built (CUDA allocator; on CPU, approximate RSS growth)",

@@ -3,7 +3,7 @@
 ``bench`` writes ``summary.md`` next to ``bench.md``; ``bench train`` writes ``summary.md`` next to
 ``train.md``. To refresh the README after new runs:
 
-    python -m ampfused.benchmarks.summary --bench bench-results --train bench-results/train --readme README.md
+    python -m ampfused.bench.summary --bench bench-results --train bench-results/train --readme README.md
 
 which replaces what lies between the ``<!-- bench-summary -->`` / ``<!-- train-summary -->``
 markers and their ``<!-- end -->`` lines. [note: generated results] numbers in the README come
@@ -94,7 +94,7 @@ def replace_block(text: str, marker: str, content: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ampfused.benchmarks.summary",
+    parser = argparse.ArgumentParser(prog="python -m ampfused.bench.summary",
                                      description="paste the summary.md of benchmark runs into the README")
     parser.add_argument("--bench", help="output folder of `python -m ampfused bench`")
     parser.add_argument("--train", help="output folder of `python -m ampfused bench train`")

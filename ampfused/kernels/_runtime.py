@@ -26,7 +26,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "tr
 # registers (per-tensor scalars, six 64-bit addresses, dtype branches). UPDATE_MAXNREG caps it at 72:
 # 7 blocks of 4 warps an SM (44% occupancy) and no spill. At 64 (8 blocks, 50%; not "full": an SM
 # holds 64 warps) ptxas spilled 12 bytes that it reloaded in the streaming loop (3 LDL an iteration),
-# which tests/sm90_compile.py refuses. [note: stats block] The stats loop already has two 16-byte
+# which tests/contract/sm90_compile.py refuses. [note: stats block] The stats loop already has two 16-byte
 # loads in flight a thread for fp32 grads (8 elements); BLOCK = 2048 (four) took 157 registers
 # (3 blocks an SM), so it stays 1024. docs/results/sm90-kernels.md has the table.
 if INTERPRET:

@@ -287,7 +287,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         # Fusion off is also what keeps `beta * 0.0 + 1.0` (a run-time fp64 one) exact; the kernel
-        # tests no finiteness itself (stats[SKIP] comes from the stats pass). tests/sm90_compile.py
+        # tests no finiteness itself (stats[SKIP] comes from the stats pass). tests/contract/sm90_compile.py
         # checks that its PTX has only .rn (never contracted) fp mul/add/sub.
         enable_fp_fusion=False)
     if grad_scale is not None:  # a re-laid-out copy got the unscaled gradient: hand it to the caller's grad

@@ -10,7 +10,7 @@ integer test on the bits of the rounded product, which no compiler can contract.
 ``fma(x, inv_scale, -u)``, the product's rounding error, non-zero for almost every element once
 the scale is not a power of two (every step skipped on a GPU, never in the interpreter). Fusion
 stays on here for ``acc += u * u`` (an fma, as the CUDA kernel's), which feeds only the norm.
-tests/sm90_compile.py checks the compiled PTX for this.
+tests/contract/sm90_compile.py checks the compiled PTX for this.
 
 [note: while] Loops with run-time bounds are ``while`` loops: ``for i in range(a, b)`` with tensor
 bounds crashes the Triton 3.6 interpreter under NumPy >= 2.4 (it calls ``int()`` on a 1-element

@@ -1,4 +1,4 @@
-// What the AdamW element math costs one CPU core when memory is not the limit (issue 11).
+// What the AdamW element math costs one CPU core when memory is not the limit.
 //
 //   g++ -O3 -march=native -fno-math-errno -ffp-contract=off -I csrc \
 //       benchmarks/native/update_math.cpp -o /tmp/update_math && taskset -c 0 /tmp/update_math

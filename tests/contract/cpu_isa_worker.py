@@ -1,4 +1,4 @@
-"""The three CPU passes on fixed inputs, for tests/test_cpu_isa.py, run as a subprocess.
+"""The three CPU passes on fixed inputs, for tests/contract/test_cpu_isa.py, run as a subprocess.
 
 usage: cpu_isa_worker.py OUT.pt   (the ISA comes from AMPFUSED_CPU_ISA, read when ampfused._C loads)
 

@@ -1,6 +1,6 @@
-"""Compile every GPU kernel for sm_90 offline and check what only a GPU would show (issue 16).
+"""Compile every GPU kernel for sm_90 offline and check what only a GPU would show.
 
-    python tests/sm90_compile.py [--out docs/results/sm90-kernels.md]      (exit 1 on a failed rule)
+    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md]      (exit 1 on a failed rule)
 
 No GPU is needed. Triton: a fake active driver reports ``GPUTarget("cuda", 90, 32)`` and every
 kernel launch of the real wrappers (``ampfused.kernels``, called on CPU tensors with the GPU block
@@ -21,7 +21,7 @@ Rules (each failure is printed; see [note: rules]):
   budget   registers and shared memory per kernel at most BUDGET below.
   pow      no ``__internal_accurate_pow`` in the CUDA update kernel.
 
-Must run with TRITON_INTERPRET unset (tests/test_sm90_compile.py runs it in a subprocess).
+Must run with TRITON_INTERPRET unset (tests/contract/test_sm90_compile.py runs it in a subprocess).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # [note: budgets] registers per thread / static shared memory per block (bytes). The update kernel
 # runs under maxnreg=72; the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
@@ -321,7 +321,7 @@ def main() -> int:
 
         args.out.write_text(
             "# sm_90 offline compile of every kernel\n\n"
-            f"`python tests/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; nvcc for "
+            f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; nvcc for "
             "passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
             "Occupancy is computed from registers, threads and shared memory for an H100/H200 SM "
             "(65536 registers, 64 warps, 32 blocks, 228 KB). Budgets and rules: the docstring of the script.\n\n"

@@ -1,7 +1,7 @@
 """What only the compiled extension ampfused._C has: op registrations (torch.library.opcheck),
 argument validation, the build (OpenMP threads), the ops a step dispatches, CUDA graph capture,
 and exact fp16 conversions under flush-to-zero. The passes themselves are checked on every
-backend in tests/test_passes.py.
+backend in tests/contract/test_passes.py.
 """
 import copy
 

@@ -4,7 +4,7 @@ and the widest one the CPU has is the one dispatched; AMPFUSED_CPU_ISA forces a 
 stats and every fp16/bf16 conversion, and its update rounds where they fuse, see vector_only.)
 
 Each variant runs in its own process (the choice is made once, when ampfused._C loads):
-tests/cpu_isa_worker.py runs the passes on fixed inputs and saves every output.
+tests/contract/cpu_isa_worker.py runs the passes on fixed inputs and saves every output.
 """
 import os
 import subprocess

@@ -166,7 +166,7 @@ def test_large_and_many_tensors_match_reference(backend):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_cuda_graph_replay_with_30_groups_and_bf16_lr_tensor(backend):
-    """[issue 16] More groups than travel by value (a group table per step) and a bf16 lr tensor (no
+    """More groups than travel by value (a group table per step) and a bf16 lr tensor (no
     longer cast into a temporary): nothing a replay reads may be freed after capture. The caching
     allocator is churned between replays so that freed blocks would be handed out and overwritten."""
     require(backend)

@@ -1,6 +1,6 @@
 """What only the Triton backend has: its tables (layout keyed by sizes, pointer rows, the capture
 cache) and the GPU code path compiled offline for sm_90 (registers, vector accesses, no libdevice).
-The passes themselves are checked on every backend in tests/test_passes.py.
+The passes themselves are checked on every backend in tests/contract/test_passes.py.
 """
 import os
 import subprocess
@@ -42,8 +42,7 @@ def test_host_time_after_a_pointer_change_7b_shapes():
     """The host work a 7B-shaped model (291 tensors) pays when every grad moved: a row-table key
     and an O(tensors) row table; the ~820k-chunk layout stays cached. Budget 1 ms (5 ms here: a
     shared CI machine)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from benchmarks.configs import LLAMA_7B
+    from ampfused.bench.configs import LLAMA_7B
 
     numels = tuple(int(torch.Size(s).numel()) for s in LLAMA_7B)
     cpu = torch.device("cpu")

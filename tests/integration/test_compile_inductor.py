@@ -1,4 +1,4 @@
-"""The torch.compile tests of tests/test_compile.py with the default inductor backend (C++ on CPU, ~1 min)."""
+"""The torch.compile tests of tests/optimizer/test_compile.py with the default inductor backend (C++ on CPU, ~1 min)."""
 import shutil
 
 import pytest

@@ -31,7 +31,7 @@ def test_empty_params():
         ampfused.FusedAmpAdamW([])
 
 
-def test_unsupported_dtype():  # (float64 and complex params train: tests/test_wide_params.py)
+def test_unsupported_dtype():  # (float64 and complex params train: tests/optimizer/test_wide_params.py)
     with pytest.raises(ValueError, match="torch.int32 is not supported"):
         ampfused.FusedAmpAdamW([torch.zeros(3, dtype=torch.int32)])
     with pytest.raises(ValueError, match="torch.complex32 is not supported"):

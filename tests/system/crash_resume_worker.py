@@ -1,4 +1,4 @@
-"""A small training run for tests/test_crash_resume.py, run as a subprocess.
+"""A small training run for tests/system/test_crash_resume.py, run as a subprocess.
 
 usage: crash_resume_worker.py DIR STEPS [--resume] [--slow-after N] [--die-in-save K]
 

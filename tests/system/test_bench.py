@@ -3,19 +3,30 @@ the `unstable` marking (with a fake clock) and `--strict`, runs without the opti
 progress packages, and a tiny run of the end-to-end training benchmark. Runs of the commands are
 subprocesses started outside the repository, as a user would run the installed package."""
 import csv
+import importlib.util
 import itertools
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ampfused import _compiled
-from ampfused.benchmarks import configs, measure, report, summary
+from ampfused.bench import configs, measure, report, summary
 
 HAVE_COMPILED = _compiled.load()[0] is not None
+
+
+def load_study(name):
+    """A one-off study of the checkout's benchmarks/ folder (not installed), loaded from its file."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ampfused_study_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(args, cwd, timeout=300):
@@ -65,7 +76,7 @@ WRONG_KERNEL = """
 import sys
 import ampfused.reference as reference
 reference.adamw_update_ = lambda *args, **kwargs: None  # a kernel that is fast and wrong: it updates nothing
-from ampfused.benchmarks import bench
+from ampfused.bench import bench
 sys.exit(bench.main(sys.argv[1:]))
 """
 
@@ -86,7 +97,7 @@ def test_bench_gate_rejects_a_wrong_kernel(tmp_path):
 def test_bench_train_tiny_run_passes_parity(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "train"
-    proc = run(["-m", "ampfused.benchmarks.bench_train", "--tiny", "--out", str(out)], cwd=tmp_path)
+    proc = run(["-m", "ampfused.bench.bench_train", "--tiny", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity: PASS" in proc.stdout
     for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
@@ -191,7 +202,7 @@ WITHOUT_BENCH_EXTRA = """
 import sys
 sys.modules["matplotlib"] = None  # import matplotlib raises ImportError, as when it is not installed
 sys.modules["tqdm"] = None
-from ampfused.benchmarks import bench
+from ampfused.bench import bench
 sys.exit(bench.main(sys.argv[1:]))
 """
 
@@ -209,7 +220,7 @@ def test_bench_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
 
 def test_bench_train_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
     out = tmp_path / "train"
-    code = WITHOUT_BENCH_EXTRA.replace("from ampfused.benchmarks import bench", "from ampfused.benchmarks import bench_train as bench")
+    code = WITHOUT_BENCH_EXTRA.replace("from ampfused.bench import bench", "from ampfused.bench import bench_train as bench")
     proc = run(["-c", code, "--tiny", "--steps", "12", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "train.csv").exists() and (out / "train.md").exists() and not (out / "loss_curves.png").exists()
@@ -230,7 +241,7 @@ def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
 
 
 def test_plain_step_benchmark_checks_results_before_it_reports(capsys):
-    from ampfused.benchmarks import plain_step
+    plain_step = load_study("plain_step")
 
     plain_step.main(total=20_000, rounds=2)
     out = capsys.readouterr().out
@@ -238,7 +249,7 @@ def test_plain_step_benchmark_checks_results_before_it_reports(capsys):
 
 
 def test_plain_step_gate_rejects_a_diverging_optimizer():
-    from ampfused.benchmarks import plain_step
+    plain_step = load_study("plain_step")
 
     sizes = [100, 30]
     ref, other = plain_step._optimizer("torch", sizes, None), plain_step._optimizer("torch", sizes, None)
@@ -252,7 +263,7 @@ def test_plain_step_gate_rejects_a_diverging_optimizer():
 
 @pytest.mark.skipif(not HAVE_COMPILED, reason="needs the compiled cpu backend (ampfused._C)")
 def test_grad_stats_placement_benchmark_runs_and_agrees(capsys):
-    from ampfused.benchmarks import grad_stats_placement
+    grad_stats_placement = load_study("grad_stats_placement")
 
     grad_stats_placement.main(total=20_000, rounds=2)
     out = capsys.readouterr().out
