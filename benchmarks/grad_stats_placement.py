@@ -1,4 +1,4 @@
-"""Where should the NaN guard read the gradients: in backward, or in the step? (issue 11, item 7)
+"""Where should the NaN guard read the gradients: in backward, or in the step?
 
 ``python -m ampfused.benchmarks.grad_stats_placement``: the sum of squares and the non-finite flag
 must be known before the update writes anything (DESIGN §2.2). On fp32 params they cost one read

@@ -1,4 +1,4 @@
-"""Bad input table (issue 6.7): each case raises a clear error and leaves params, state, groups
+"""Bad input table: each case raises a clear error and leaves params, state, groups
 and gradients exactly as they were. Cases already covered by test_errors.py and
 test_skip_and_state_dict.py (shape-mismatched state dict, SGD state dict, group count, dtype change,
 non-contiguous params at construction, wrong gradient shape, sparse gradients) are not repeated."""

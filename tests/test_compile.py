@@ -1,4 +1,4 @@
-"""torch.compile (issue 6.5): a compiled model trains with FusedAmpAdamW exactly like the eager one
+"""torch.compile: a compiled model trains with FusedAmpAdamW exactly like the eager one
 (fp32, and bf16 params whose gradients reach p.main_grad through the accumulation hook), and a
 compiled opt.step() runs (dynamo graph-breaks around the backend call) with the eager result.
 

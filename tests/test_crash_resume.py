@@ -1,4 +1,4 @@
-"""Crash and resume (issue 6.2): a training subprocess killed with SIGKILL mid-run, or inside a
+"""Crash and resume: a training subprocess killed with SIGKILL mid-run, or inside a
 checkpoint save, resumes from its last valid checkpoint bitwise identically to an uninterrupted run,
 for fp32 params (autocast) and for bf16 params with master weights and fp32 accumulation."""
 import os

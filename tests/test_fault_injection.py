@@ -1,4 +1,4 @@
-"""Seeded fault-injection fuzz (issue 6.1): inf/NaN at random steps, micro-batches, params, positions
+"""Seeded fault-injection fuzz: inf/NaN at random steps, micro-batches, params, positions
 and dtypes, through the real autograd + hook + GradScaler path, against an independent oracle
 (torch.optim.AdamW on fp32 masters + the scaler rules in plain Python) that skips exactly the steps
 whose gradients hold a non-finite value, natural fp16 overflows included.

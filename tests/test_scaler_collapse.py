@@ -1,4 +1,4 @@
-"""Loss-scale collapse is never silent: consecutive skipped steps warn, or raise on request (issue 6.3)."""
+"""Loss-scale collapse is never silent: consecutive skipped steps warn, or raise on request."""
 import copy
 import math
 import pickle

@@ -132,7 +132,7 @@ def drive_random(scaler, pattern, make_opt, device, new_scale_at=None):
 ])
 @pytest.mark.parametrize("new_scale_at", [None, 3])
 def test_non_power_of_two_scales_take_every_finite_step(backend, device, kwargs, new_scale_at):
-    """[issue 16] A scale whose reciprocal is inexact must not flag finite grads (a contracted `u - u`
+    """A scale whose reciprocal is inexact must not flag finite grads (a contracted `u - u`
     did, on the GPU) and must keep growing after an inexact product (`grown - grown == 0` did not):
     the trajectory is torch.amp.GradScaler's exactly, every finite step is taken, as stock AdamW."""
     stock = drive_random(torch.amp.GradScaler(device.type, **kwargs), PATTERN, torch.optim.AdamW, device, new_scale_at)

@@ -1,4 +1,4 @@
-"""[issue 16] Every Triton kernel (and passes.cu, when nvcc is found) compiled for sm_90 offline with
+"""Every Triton kernel (and passes.cu, when nvcc is found) compiled for sm_90 offline with
 the configurations the code launches: no contracted non-finite test, no spill in a hot loop,
 registers and shared memory within budget. See tests/sm90_compile.py for the rules."""
 import importlib.util

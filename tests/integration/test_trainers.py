@@ -1,4 +1,4 @@
-"""FusedAmpAdamW inside Hugging Face Trainer, PyTorch Lightning and Accelerate (issue 6.6)."""
+"""FusedAmpAdamW inside Hugging Face Trainer, PyTorch Lightning and Accelerate."""
 import pytest
 import torch
 
