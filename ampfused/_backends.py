@@ -1,35 +1,9 @@
-"""Lazy discovery of the backends that implement ampfused's passes.
+"""Lazy discovery of the backends that implement ampfused's passes, and the choice among them.
 
-Every backend is a module (or an object) with a ``NAME`` and the same passes (the ``reference`` module is their
-specification and the test oracle):
-
-``accumulate_(main_grad, grad)``
-    ``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16, same shape).
-``grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats, scratch=None)``
-    One pass over the grads, then the finish, in one launch. ``u = grads[i].float() * inv_scale``
-    with ``inv_scale = float(1 / double(grad_scale))`` (torch's unscale; ``grad_scale`` is a
-    1-element fp32 device tensor, the loss scale, or ``None`` meaning 1). ``found_inf`` is a
-    1-element fp32 device tensor (non-zero skips) or ``None``; ``max_grad_norm`` a float or ``None``.
-    Overwrites the fp32 device vector ``stats`` (``functional.STATS_SIZE`` slots):
-    ``stats[SUMSQ] = sum_i sum(u_i ** 2)`` (fp32, inf when it overflows);
-    ``stats[SKIP] = 1.0`` if any element of any ``u_i`` is inf/NaN or ``found_inf`` is non-zero, else 0.0;
-    ``stats[NORM] = sqrt(stats[SUMSQ])``, inf where that is finite but the step is skipped;
-    ``stats[FACTOR] = inv_scale * min(1, max_grad_norm / (norm + 1e-6))`` (``inv_scale`` alone
-    without clipping). Only inf/NaN *elements* skip: a finite sum that overflows gives norm inf and,
-    with clipping, factor 0 (``reference.finish_`` is the finish's specification).
-``adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats, scratch=None)``
-    One AdamW step over parallel lists (``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a
-    param has no AMSGrad buffer / no master copy); ``hypers[i]`` is a :class:`~ampfused.functional.Hyper`;
-    grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale); when ``stats[SKIP]``
-    is non-zero nothing is written at all. ``stats`` is what ``grad_stats_`` wrote (on the device).
-    ``scratch`` (both passes): the caller's ``functional.Scratch`` (launch counters and partials, a
-    host memo) or ``None`` for a fresh one; a backend that needs none ignores it.
-``scaler_update_(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch, *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale)``
-    ``ampfused.GradScaler.update``'s rules on the device in one launch (``reference.scaler_update_``
-    is the specification); optional: the scaler falls back to the reference where it is missing.
-
-A module may also expose ``supports(device) -> str | None`` returning why it cannot serve tensors
-on ``device`` (``None`` when it can).
+Every backend is a module (or an object) with the attributes of :class:`ampfused._contract.Backend`
+(``NAME``, ``supports``, ``accumulate_``, ``grad_stats_``, ``adamw_update_``, ``scaler_update_``);
+the ``reference`` module is their specification and the test oracle. Backends are found by module
+name (``importlib``), so none of them imports this module back.
 
 Nothing here runs at ``import ampfused``: backends are probed on first use and cached.
 """
@@ -38,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from types import ModuleType  # a backend is a module or an object with the same attributes
+from types import ModuleType  # a backend is a module or an object with the same attributes (_contract.Backend)
 
 import torch
 

@@ -2,7 +2,7 @@
 
 The extension registers ``torch.ops.ampfused.{accumulate, grad_stats, adamw_update, scaler_update}`` with the
 dispatcher (CPU kernels always, CUDA kernels when it was built with them); this module loads it
-lazily, says why when it cannot, and adapts the backend passes of ``ampfused._backends`` to the op
+lazily, says why when it cannot, and adapts the passes of ``ampfused._contract.Backend`` to the op
 signatures.
 
 [note: never break import] Nothing here runs at ``import ampfused``: ``_backends`` imports this
@@ -17,11 +17,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ._flat import is_dense as dense
+from ._contract import is_dense, same_flat_layout
 
 OPS = ("accumulate", "grad_stats", "adamw_update", "scaler_update")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FLAG_AMSGRAD, FLAG_MAXIMIZE = 1, 2  # as csrc/ops_common.h
 BUILD_HINT = "run `pip install --no-build-isolation .` in an environment with torch to build it"
 
 _loaded: tuple[object | None, str] | None = None
@@ -96,21 +94,14 @@ def get_backend(device_type: str):
     return CompiledBackend(device_type, module), ""
 
 
-def same_flat_layout(t: Tensor, like: Tensor) -> bool:
-    """Element k of ``t``'s memory is element k of ``like``'s (as csrc/ops_common.cpp checks)."""
-    return (t.is_contiguous() and like.is_contiguous()) or (t.shape == like.shape and t.stride() == like.stride())
-
-
 def _as_kernel_input(t: Tensor, like: Tensor | None = None) -> Tensor:
-    """``t`` as the kernels can read it: a kernel dtype, dense, and laid out as ``like`` (the param).
+    """``t`` (a checked grad: ``_args.check_grad``) dense and laid out as ``like`` (the param).
 
     [note: dense of any memory format] A channels_last grad of a channels_last param is used as it
     is; only a grad whose strides differ from its param's is copied, into the param's strides.
     """
-    if t.dtype not in KERNEL_DTYPES:
-        t = t.float()
     if like is None:
-        return t if dense(t) else t.contiguous()
+        return t if is_dense(t) else t.contiguous()
     if same_flat_layout(t, like):
         return t
     return torch.empty_like(like, dtype=t.dtype).copy_(t.view(like.shape) if t.is_contiguous() else t.reshape(like.shape))
@@ -125,7 +116,7 @@ def copy_back_unscaled(grads, kernel_grads) -> None:
 
 
 class CompiledBackend:
-    """The four passes of ``_backends`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
+    """The four passes of ``_contract.Backend`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
 
     def __init__(self, name: str, module):
         self.NAME = name
@@ -153,42 +144,20 @@ class CompiledBackend:
                                       None if max_grad_norm is None else float(max_grad_norm), stats,
                                       self._scratch_buffer(scratch, stats.device), check_nonfinite)
 
-    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers,
-                      stats: Tensor, scratch=None, *, grad_scale: Tensor | None = None) -> None:
-        # Tensors share a group when their hyperparameters are equal (a tensor lr by identity), so
-        # the kernels see a handful of groups whether the caller built one Hyper per group or per tensor.
-        index: dict[tuple, int] = {}
-        groups: list[int] = []
-        lrs: list[float] = []
-        lr_tensors: list[Tensor | None] = []
-        beta1s: list[float] = []
-        beta2s: list[float] = []
-        epss: list[float] = []
-        wds: list[float] = []
-        flags: list[int] = []
-        for h in hypers:
-            lr_is_tensor = isinstance(h.lr, Tensor)
-            key = (id(h.lr) if lr_is_tensor else float(h.lr), lr_is_tensor, h.beta1, h.beta2, h.eps, h.weight_decay,
-                   bool(h.amsgrad), bool(h.maximize))
-            g = index.get(key)
-            if g is None:
-                g = index[key] = len(lrs)
-                lrs.append(0.0 if lr_is_tensor else float(h.lr))
-                lr_tensors.append(h.lr.detach() if lr_is_tensor else None)
-                beta1s.append(float(h.beta1))
-                beta2s.append(float(h.beta2))
-                epss.append(float(h.eps))
-                wds.append(float(h.weight_decay))
-                flags.append((FLAG_AMSGRAD if h.amsgrad else 0) | (FLAG_MAXIMIZE if h.maximize else 0))
-            groups.append(g)
+    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
+                      stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
+        # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
+        lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
+        lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]
         # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
         none = self._empty(params[0].device) if params else None
         kernel_grads = [_as_kernel_input(g, p) for g, p in zip(grads, params)]
         torch.ops.ampfused.adamw_update(
             list(params), kernel_grads, list(exp_avgs), list(exp_avg_sqs),
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
-            groups, lrs, lr_tensors, beta1s, beta2s, epss, wds, flags, stats, self._scratch_buffer(scratch, stats.device),
-            grad_scale)
+            list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
+            [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
+            self._scratch_buffer(scratch, stats.device), grad_scale)
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 

@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ._reducers import MeshReducer
+
 StatsReducer = Callable[[Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
 
 
@@ -45,7 +47,14 @@ def is_dtensor(t) -> bool:
 
 
 def local(t: Tensor | None) -> Tensor | None:
-    """The local shard of a DTensor (the tensor itself, aliasing its storage); anything else as is."""
+    """The local shard of a DTensor (the tensor itself, aliasing its storage); anything else as is.
+
+    [note: _local_tensor] The step's lists read DTensor's private ``_local_tensor``, not the public
+    ``to_local()``: ``to_local()`` makes a new (autograd) view object at every call, and the step's
+    caches (``_plan``, the backends' memos) compare the local tensors by identity from step to step,
+    so each step would rebuild its tables. Writes that run once (state loads, master copies) use
+    ``to_local()`` (:func:`copy_local_`).
+    """
     return t._local_tensor if is_dtensor(t) else t
 
 
@@ -80,9 +89,17 @@ def copy_state_(dst: Tensor, src: Tensor) -> None:
     if is_dtensor(dst):
         if src.device_mesh != dst.device_mesh or tuple(src.placements) != tuple(dst.placements):
             src = src.redistribute(dst.device_mesh, dst.placements)
-        dst._local_tensor.copy_(src._local_tensor)
+        copy_local_(dst, src)
     else:
         dst.copy_(src)
+
+
+@torch.no_grad()
+def copy_local_(dst: Tensor, src: Tensor) -> None:
+    """``dst``'s local shard (or ``dst``) ``= src``'s (or ``src``), through the public ``to_local()``
+    (under no_grad: a param's ``to_local()`` is differentiable)."""
+    dst = dst.to_local() if is_dtensor(dst) else dst
+    dst.copy_(src.to_local() if is_dtensor(src) else src)
 
 
 def check_params(params: Sequence[Tensor]) -> None:
@@ -134,7 +151,7 @@ def _plan(params: Sequence[Tensor]) -> StatsReducer | None:
                 "reduced over different groups; use one FusedAmpAdamW per mesh/placement kind")
     if not sharded:
         return None  # replicated everywhere: every rank already has the whole gradient
-    return _MeshReducer([mesh.get_group(d) for d in sharded])
+    return MeshReducer([mesh.get_group(d) for d in sharded])
 
 
 def _sharded_dims(p: Tensor) -> tuple[int, ...]:
@@ -145,37 +162,3 @@ def _sharded_dims(p: Tensor) -> tuple[int, ...]:
         elif not placement.is_replicate():
             raise ValueError(f"DTensor parameter with placement {placement} on mesh dim {d}: only Shard and Replicate params are supported")
     return tuple(dims)
-
-
-class _MeshReducer:
-    """All-reduce (SUM) of the 0-d sum of squares and the inf flag: one collective per sharded dim.
-
-    Always two fp32 elements, whatever the caller's ``found_inf`` (tensor, number or None), so a
-    rank with nothing to step can join with zeros (:meth:`join`).
-    """
-
-    def __init__(self, groups: list):
-        self.groups = groups
-
-    def __call__(self, sumsq: Tensor, found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
-        if isinstance(found_inf, Tensor):
-            flag = found_inf.to(device=sumsq.device, dtype=torch.float32).reshape(-1).sum()
-        else:  # a number from the host (or None): no device read
-            flag = torch.full((), float(bool(found_inf)), dtype=torch.float32, device=sumsq.device)
-        packed = torch.stack([sumsq.reshape(()), flag])
-        self._all_reduce(packed)
-        return packed[0], packed[1]
-
-    def join(self, device: torch.device | None) -> None:
-        """Take part in the collective with zeros (a rank whose optimizer has no gradient this step)."""
-        import torch.distributed as dist
-
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.groups[0]) == "nccl" else torch.device("cpu")
-        self._all_reduce(torch.zeros(2, dtype=torch.float32, device=device))
-
-    def _all_reduce(self, packed: Tensor) -> None:
-        import torch.distributed as dist
-
-        for group in self.groups:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)

@@ -30,7 +30,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._flat import FlatBuffer, check_grad
+from . import _compiled, _dtensor
+from ._args import LOW_PRECISION, check_grad
+from ._state import FlatBuffer, uses_master
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
 SUPPORTED = hasattr(torch.Tensor, "grad_dtype")
@@ -40,6 +42,15 @@ UNSUPPORTED_MESSAGE = (
     f"fp32_grad_accumulation=False (gradients are then read in the param dtype)")
 
 
+def wanted(p: Tensor, fp32_grad_accumulation, master_weights) -> bool:
+    """Whether the gradients of ``p`` accumulate in fp32 storage here, by the optimizer's two options."""
+    if p.dtype not in LOW_PRECISION or _dtensor.is_dtensor(p):  # [distributed] FSDP2 owns DTensor grads
+        return False
+    if fp32_grad_accumulation is None:
+        return uses_master(p, master_weights)
+    return bool(fp32_grad_accumulation)
+
+
 class MainGrads:
     """The flat fp32 gradients of one optimizer's fp16/bf16 params and the hooks that keep ``p.grad`` in them.
 
@@ -47,6 +58,11 @@ class MainGrads:
     optimizer that owns it: a newer optimizer over the same params takes them over, and the hooks of
     an older one then do nothing. [note: no weakref on params] the owner is not a param attribute:
     ``torch.save(model)`` pickles param attributes, and a weak reference does not pickle.
+
+    Public through ``FusedAmpAdamW.main_grads`` (for ``ampfused.distributed`` and the benchmarks):
+    ``params`` (the params whose gradients live here, in storage order), ``flat`` (a
+    ``_state.FlatBuffer``: ``flat.data`` the whole fp32 buffer, ``flat.views[i]`` the gradient of
+    ``params[i]``; ``None`` when no param needs one), :meth:`attach_reducer` and :meth:`has_cpu_hook`.
     """
 
     def __init__(self, owner: object, relayout):
@@ -63,8 +79,29 @@ class MainGrads:
         # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
         weakref.finalize(owner, _release, self.hooks, self.cpu_accumulators, self.owner_ref)
 
+    def attach_reducer(self, reducer) -> None:
+        """Say that ``reducer`` all-reduces this storage in a multi-process run (so the hooks do not warn)."""
+        self.reducer = reducer
+
+    def has_cpu_hook(self, p: Tensor) -> bool:
+        """Whether micro-batches 2..N of ``p`` are added by the C++ hook on its AccumulateGrad node."""
+        return p in self.cpu_accumulators
+
     def owns(self, p: Tensor) -> bool:
         return OWNERS.get(p) is self.owner_ref
+
+    def sync(self, candidates: list[Tensor], device: torch.device) -> None:
+        """Lay out storage for every param of ``candidates`` (those :func:`wanted`) that trains.
+
+        A param frozen after it was laid out keeps its storage (it may be unfrozen again); one frozen
+        before gets none until its first gradient (:meth:`watch`).
+        """
+        if candidates and not SUPPORTED:
+            raise RuntimeError(UNSUPPORTED_MESSAGE)
+        if candidates and device.type == "cpu":
+            _compiled.load()  # registers the C++ accumulation hook op where _C is built
+        self.setup([p for p in candidates if p.requires_grad or self.owns(p)], device)
+        self.watch([p for p in candidates if not p.requires_grad])  # (skips the laid-out ones)
 
     def setup(self, params: list[Tensor], device: torch.device) -> None:
         """(Re)lay out the flat storage for ``params`` and hook the ones not hooked yet.

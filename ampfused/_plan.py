@@ -1,12 +1,47 @@
-"""The cached tensor lists of FusedAmpAdamW.step() (see the class note)."""
+"""The tensor lists of FusedAmpAdamW.step(): which params step, checked once, cached while unchanged."""
 from __future__ import annotations
 
 import operator
 
+import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _dtensor, functional
+from . import _dtensor
+from ._args import check_grad
+from ._contract import Hyper, is_dense
+from ._state import wide_indices
+
+
+def grads_to_step(param_groups, param_dtypes: dict, device) -> list[tuple[Tensor, Tensor, dict]]:
+    """(param, p.grad, group) for every param that has a gradient, every one checked before any write.
+
+    A gradient whose strides differ from its param's is replaced, in ``p.grad``, by a copy in the
+    param's strides (so an ``unscale_`` reaches what the step reads, and the passes see one layout).
+    """
+    if device is not None and device.type == "meta":
+        raise RuntimeError("FusedAmpAdamW cannot step parameters on the meta device (they hold no data): "
+                           "materialize the model first (e.g. model.to_empty(device=...) and initialize it)")
+    out = []
+    for group in param_groups:
+        for p in group["params"]:
+            if p.dtype != param_dtypes[p] or p.device != device:
+                raise RuntimeError(
+                    f"a parameter changed from {param_dtypes[p]} on {device} to {p.dtype} on {p.device} "
+                    "after the optimizer was built (e.g. model.half() afterwards): build the optimizer after converting the model")
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad is not getattr(p, "main_grad", None):  # main_grad is valid by construction
+                if not is_dense(p):
+                    raise RuntimeError(
+                        f"a parameter of shape {tuple(p.shape)} became a view with gaps or overlaps (strides "
+                        f"{p.stride()}) after the optimizer was built (p.data was replaced by a slice?): keep params dense")
+                check_grad(p, grad)
+                if grad.stride() != p.stride():
+                    p.grad = grad = torch.empty_like(p, dtype=grad.dtype).copy_(grad)
+            out.append((p, grad, group))
+    return out
 
 
 class StepPlan:
@@ -38,11 +73,15 @@ class StepPlan:
         self.max_exp_avg_sqs = [s.get("max_exp_avg_sq") if g["amsgrad"] else None for s, (_, _, g) in zip(states, work)]
         self.steps = [s["step"] for s in states]
         self.masters = [s.get("master_param") for s in states]
-        self.wide = functional.wide_indices(self.params)  # float64/complex: the reference passes' share
-        counts: dict[int, int] = {}
+        self.wide = wide_indices(self.params)  # float64/complex: the reference passes' share
+        # [note: groups once] the param groups with work, in order, and each tensor's index among them
+        index: dict[int, int] = {}
+        self.stepping_groups = []
         for _, _, g in work:
-            counts[id(g)] = counts.get(id(g), 0) + 1
-        self.counts = [(g, counts.get(id(g), 0)) for g in param_groups]
+            if id(g) not in index:
+                index[id(g)] = len(self.stepping_groups)
+                self.stepping_groups.append(g)
+        self.group_ids = [index[id(g)] for _, _, g in work]
 
     def still_valid(self, param_groups, state) -> bool:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
@@ -69,14 +108,14 @@ class StepPlan:
         self.all_grads, self.grads = grads, fresh
         return True
 
-    def hypers(self) -> list:
-        hypers = []
-        for group, n in self.counts:
-            if n:
-                beta1, beta2 = (_as_float(b) for b in group["betas"])
-                hypers += [functional.Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                            group["amsgrad"], group["maximize"])] * n
-        return hypers
+    def hypers(self) -> list[Hyper]:
+        """The hyperparameters of every stepping group, read at every step (a scheduler may change them)."""
+        groups = []
+        for group in self.stepping_groups:
+            beta1, beta2 = (_as_float(b) for b in group["betas"])
+            groups.append(Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["amsgrad"],
+                                group["maximize"]))
+        return groups
 
 
 _TENSOR_HYPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor beta -> (its _version, its value)
@@ -100,7 +139,7 @@ def _grad_layouts(grads: list) -> tuple | None:
 
     [note: fresh grads] zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
     them when they look like the grads it checked -- then only their addresses are new, which the
-    backends' tables read from ``data_ptr()`` -- else the step re-validates through check_grad. Shape
+    backends' tables read from ``data_ptr()`` -- else the step re-validates through ``_args.check_grad``. Shape
     and device need no reading: torch's ``p.grad`` setter and autograd refuse a grad of another size
     or device than its param; dtype is read because ``Tensor.grad_dtype`` may allow another.
     """

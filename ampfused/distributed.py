@@ -1,5 +1,8 @@
 """DistributedDataParallel for fp16/bf16 params whose gradients FusedAmpAdamW accumulates in fp32.
 
+Above the optimizer: it wraps the model around an optimizer it is given (the stats reducers that
+sit below the optimizer, for ZeRO and FSDP2, are ``ampfused._reducers``).
+
 [note: why DDP cannot reduce them] DDP's reducer builds its buckets in the *param* dtype and checks
 every gradient against them (``Expected BFloat16, got Float``), before any comm hook runs; a comm
 hook sees only the bf16 bucket. So an fp32 gradient of a bf16 param can be all-reduced by DDP only
@@ -23,12 +26,9 @@ others' gradients (zeros from the ranks that did not use it): DDP's ``find_unuse
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 from torch import Tensor
-
-from ._dtensor import _MeshReducer
 
 __all__ = ["data_parallel"]
 
@@ -52,7 +52,7 @@ def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.
         raise TypeError("data_parallel() takes the bare module: it builds the DistributedDataParallel itself")
     if not isinstance(optimizer, FusedAmpAdamW):
         raise TypeError(f"data_parallel() needs the FusedAmpAdamW over the module's params, got {type(optimizer).__name__}")
-    main_grads = optimizer._main_grads
+    main_grads = optimizer.main_grads
     ours = {id(p) for p in main_grads.params}
     names = [name for name, p in module.named_parameters() if id(p) in ours]
     if len(names) != len(ours):
@@ -131,7 +131,7 @@ class _Fp32Reducer:
         for p in main_grads.params:  # after the optimizer's own hook: p.grad is main_grad by then
             p.register_post_accumulate_grad_hook(self._queue)
         ddp._ampfused_fp32_reducer = self  # lives as long as the DDP module
-        main_grads.reducer = self  # the optimizer's hooks now know the fp32 gradients get all-reduced
+        main_grads.attach_reducer(self)  # the optimizer's hooks now know the fp32 gradients get all-reduced
 
     def _latch(self, ddp, args) -> None:
         self.sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
@@ -174,35 +174,3 @@ class _Fp32Reducer:
             used_anywhere = used[unused_here].tolist()
             for i, count in zip(unused_here, used_anywhere):
                 params[i].grad = flat.views[i] if count else None
-
-
-# ---------------------------------------------------------------- ZeroRedundancyOptimizer
-
-def zero_stats_reducer(max_frames: int = 4):
-    """A :class:`GroupReducer` over the group of the ZeroRedundancyOptimizer constructing the caller, or None.
-
-    [note: ZeRO] ``ZeroRedundancyOptimizer(params, optimizer_class=FusedAmpAdamW)`` builds one
-    FusedAmpAdamW per rank over that rank's partition, with the user's keyword arguments. The
-    clip norm and the skip decision must cover every partition, so such an optimizer all-reduces
-    its sum of squares over ZeRO's group (the partitions are disjoint: the sum is the global one).
-    ZeRO passes nothing that says so; its frame on the stack does.
-    """
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    if module is None:
-        return None
-    frame = sys._getframe(2)
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, module.ZeroRedundancyOptimizer):
-            return GroupReducer(candidate.process_group)
-        frame = frame.f_back
-    return None
-
-
-class GroupReducer(_MeshReducer):
-    """``reduce_stats`` over one process group (ZeRO's partitions): SUM of the sum of squares and the inf flag."""
-
-    def __init__(self, group):
-        super().__init__([group])

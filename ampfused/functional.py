@@ -16,34 +16,15 @@ stats: the update runs alone on a constant stats vector (factor 1, no skip), one
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from . import _backends, _dtensor
-from ._flat import SUPPORTED_DTYPES
-
-CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
-# Slots of the stats vector (kernels/stats.py and csrc/adamw_math.h spell them again).
-NORM, SKIP, FACTOR, SUMSQ = 0, 1, 2, 3
-STATS_SIZE = 4
-# Bytes of a launch scratch (csrc/cuda/ops_cuda.cpp kScratchBytes): the stats pass's ticket counter at
-# byte 0, the update pass's at byte 8, from byte 16 the stats partials (two doubles a block, <= 4096 blocks).
-SCRATCH_BYTES = 16 + 16 * 4096
-
-
-class Hyper(NamedTuple):
-    """Hyperparameters of one param group, shared by all tensors of the group."""
-
-    lr: float | Tensor
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-
+from . import _backends, _dtensor, reference
+from ._args import check_flag, check_grad, per_tensor
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_
+from ._state import wide_indices
 
 class Scratch:
     """What the passes of one optimizer keep on the device and the host between its steps.
@@ -73,14 +54,6 @@ class Scratch:
         if buf is None:
             buf = self._buffers[device] = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
         return buf
-
-
-def _per_tensor(value, n: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} tensors")
-        return list(value)
-    return [value] * n
 
 
 def fused_amp_adamw(
@@ -131,26 +104,46 @@ def fused_amp_adamw(
     if master_params is None:
         master_params = [None] * n
     columns = [
-        _per_tensor(v, n, name)
+        per_tensor(v, n, name)
         for v, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay"), (amsgrad, "amsgrad"), (maximize, "maximize"))
     ]
     hypers = [Hyper(*row) for row in zip(*columns)]
     for i, h in enumerate(hypers):  # validate everything before the first write
         if h.amsgrad and max_exp_avg_sqs[i] is None:
             raise ValueError(f"amsgrad is set for tensor {i} but max_exp_avg_sqs[{i}] is None")
+        check_grad(params[i], grads[i])
     if n == 0:
         return torch.zeros(()), torch.zeros(())
+    group_ids, groups = group_hypers(hypers)
     module = _backends.resolve(backend, params[0].device)[0]
     # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
     (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
-    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, hypers, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, group_ids,
+                    groups, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
                     skip_nonfinite=skip_nonfinite, keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats)
 
 
-def check_flag(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+def group_hypers(hypers: Sequence[Hyper]) -> tuple[list[int], list[Hyper]]:
+    """``(group_ids, groups)`` of per-tensor hyperparameters: equal ones share a group (a tensor lr by identity).
+
+    [note: groups once] The optimizer's plan passes its param groups as they are; only this
+    functional API, which takes per-tensor lists, groups them, so the kernels see a handful of
+    groups whether the caller wrote one value per group or per tensor.
+    """
+    index: dict[tuple, int] = {}
+    groups: list[Hyper] = []
+    group_ids: list[int] = []
+    for h in hypers:
+        lr_is_tensor = isinstance(h.lr, Tensor)
+        key = (id(h.lr) if lr_is_tensor else float(h.lr), lr_is_tensor, float(h.beta1), float(h.beta2), float(h.eps),
+               float(h.weight_decay), bool(h.amsgrad), bool(h.maximize))
+        g = index.get(key)
+        if g is None:
+            g = index[key] = len(groups)
+            groups.append(h)
+        group_ids.append(g)
+    return group_ids, groups
 
 
 def needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite: bool) -> bool:
@@ -172,20 +165,16 @@ def _plain_stats(device: torch.device) -> Tensor:
     return stats
 
 
-def wide_indices(params: Sequence[Tensor]) -> list[int]:
-    """Indices of the float64/complex tensors, which the reference passes serve ([note: wide params])."""
-    return [i for i, p in enumerate(params) if p.dtype not in SUPPORTED_DTYPES]
-
-
-def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, *, max_grad_norm, grad_scale, found_inf,
-             skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None, scratch: Scratch | None = None,
-             wide: list[int] | None = None) -> tuple[Tensor | None, Tensor]:
-    """Stats pass (finish included), update pass. No host synchronization; ``(grad_norm, skipped)``
+def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, *,
+             max_grad_norm, grad_scale, found_inf, skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None,
+             scratch: Scratch | None = None, wide: list[int] | None = None) -> tuple[Tensor | None, Tensor]:
+    """Stats pass (finish included), update pass over checked lists (``_contract.Backend`` says what
+    each list holds; tensor ``i`` takes ``groups[group_ids[i]]``). No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
     zero without stats pass, see [note: the plain step]).
 
     ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
-    skip flag into the global ones (``ampfused.distributed``: one all-reduce over the shards' mesh);
+    skip flag into the global ones (``ampfused._reducers``: one all-reduce over the shards' mesh or ZeRO's group);
     the finish then runs again on them, so every rank takes the same decision. ``scratch``: the
     caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
     ``wide``: the indices of the float64/complex tensors (computed when None).
@@ -200,19 +189,17 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
     # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
     unscale_into_grads = None if keep_scaled_grads else grad_scale
-    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids)
     if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
         wide = wide_indices(params)
     if wide:  # [note: wide params] the kernels' share, and the rest for the reference passes
-        from . import reference
-
         lists, wide_lists = _split(lists, wide)
     if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
         stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
         if lists[0]:
-            backend.adamw_update_(*lists, stats, scratch=scratch)
+            backend.adamw_update_(*lists, groups, stats, scratch=scratch)
         if wide:
-            reference.adamw_update_(*wide_lists, stats)
+            reference.adamw_update_(*wide_lists, groups, stats)
         return None, stats[SKIP]
     # a scaler always skips on inf/NaN: the guard is off only without one
     check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
@@ -228,17 +215,15 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
                               check_nonfinite=check_nonfinite)
         stats[SUMSQ] += wide_stats[SUMSQ]
         stats[SKIP] = torch.maximum(stats[SKIP], wide_stats[SKIP])  # both hold found_inf already
-        reference.finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
+        finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
     if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
         sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
-        from .reference import finish_  # the finish's spec (reference imports this module's slot names)
-
         finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
     if lists[0]:
-        backend.adamw_update_(*lists, stats, scratch=scratch, grad_scale=unscale_into_grads)
+        backend.adamw_update_(*lists, groups, stats, scratch=scratch, grad_scale=unscale_into_grads)
     if wide:
-        reference.adamw_update_(*wide_lists, stats, grad_scale=unscale_into_grads)
+        reference.adamw_update_(*wide_lists, groups, stats, grad_scale=unscale_into_grads)
     return stats[NORM], stats[SKIP]
 
 

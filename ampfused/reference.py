@@ -7,13 +7,12 @@ the price is temporaries, which is fine for an oracle and a fallback.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .functional import CLIP_EPS, FACTOR, NORM, SKIP, SUMSQ
+from ._contract import FACTOR, SKIP, SUMSQ, finish_, inv_scale_of
 
 NAME = "reference"
 
@@ -27,15 +26,10 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     main_grad.add_(grad)
 
 
-def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
-    """``1 / grad_scale`` exactly as torch.amp.GradScaler.unscale_ computes it (fp64, rounded to fp32)."""
-    return None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
-
-
 def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
                 max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
     """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
-    (unscale first, as torch does), then :func:`finish_`: see ``_backends`` for ``stats``."""
+    (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
     inv_scale = inv_scale_of(grad_scale)
     sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
     bad = torch.zeros((), dtype=torch.bool, device=stats.device)
@@ -55,42 +49,15 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None, *,
-            check_nonfinite: bool = True) -> None:
-    """The stats pass's epilogue from ``stats[SUMSQ]`` and the element flag ``stats[SKIP]``.
-
-    [note: skip only on elements] Only an inf/NaN element (or ``found_inf``) skips: a finite
-    gradient whose fp32 sum of squares overflows has norm inf, steps unclipped without clipping,
-    and with clipping gets ``coef = c / (inf + 1e-6) = 0`` -- both exactly what torch does.
-    Kernel backends run this in the last program of their stats launch; a distributed caller can
-    all-reduce ``stats[SUMSQ]`` and ``stats[SKIP]`` and run it again. ``check_nonfinite=False``
-    (``skip_nonfinite=False`` without a scaler) ignores the element flag: only ``found_inf`` skips,
-    and a non-finite norm gives the coefficient ``clip_grad_norm_`` computes (0 for inf, NaN for NaN).
-    """
-    norm = stats[SUMSQ].sqrt()
-    skip = stats[SKIP] != 0
-    if not check_nonfinite:
-        skip = torch.zeros_like(skip)
-    if found_inf is not None:
-        skip = skip | (found_inf.reshape(-1).sum() != 0)
-    inv_scale = inv_scale_of(grad_scale)
-    factor = inv_scale if inv_scale is not None else torch.ones((), dtype=torch.float32, device=stats.device)
-    if max_grad_norm is not None:
-        # torch.nn.utils.clip_grad_norm_'s clamp(max_norm / (total_norm + 1e-6), max=1)
-        factor = factor * (max_grad_norm / (norm + CLIP_EPS)).clamp(max=1.0)
-    stats[NORM] = torch.where(skip & torch.isfinite(norm), math.inf, norm)  # a skipped step's norm is non-finite
-    stats[SKIP] = skip.float()
-    stats[FACTOR] = factor
-
-
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
-                  scratch=None, *, grad_scale: Tensor | None = None) -> None:
-    """One AdamW step per tensor; see ``_backends`` for the contract of every argument (no scratch needed)."""
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
+                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
+    """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed)."""
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
     inv_scale = inv_scale_of(grad_scale)
     for i in range(len(params)):
-        _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i], hypers[i], factor, keep)
+        _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
+                   groups[group_ids[i]], factor, keep)
         if inv_scale is not None:  # the unscaled gradient, in the grad's dtype (RNE), as torch's fused AdamW leaves it
             grads[i].copy_(torch.where(keep, grads[i], (grads[i].to(_math_dtype(grads[i].dtype)) * inv_scale).to(grads[i].dtype)))
 

@@ -126,7 +126,7 @@ class GradScaler(torch.amp.GradScaler):
         # [note: fp16 and bf16 unscale] torch refuses fp16 grads here and its CUDA kernel refuses
         # bf16; with fp32 master weights both are safe to unscale, so both are accepted.
         if isinstance(optimizer, FusedAmpAdamW):
-            optimizer._unscale_grads_(inv_scale, found_inf)
+            optimizer.unscale_grads_(inv_scale, found_inf)
             return {found_inf.device: found_inf}
         per_device: dict[torch.device, list[Tensor]] = {}
         with torch.no_grad():
@@ -165,7 +165,7 @@ class GradScaler(torch.amp.GradScaler):
             del optimizer.grad_scale, optimizer.found_inf
         # The optimizer's flag (a view of its stats, no launch) includes any overflow unscale_ found,
         # so it replaces those entries; a step with no gradients skipped nothing.
-        skipped = optimizer._skipped
+        skipped = optimizer.step_skipped
         if skipped is None:
             skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
         optimizer_state["found_inf_per_device"] = {skipped.device: skipped}

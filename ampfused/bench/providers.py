@@ -188,7 +188,7 @@ class AmpfusedAdamW(Provider):
         self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
         # and the C++ pre-hook on the AccumulateGrad node of CPU params (csrc/accumulate_hook.cpp),
         # which adds micro-batches 2..N with ampfused::accumulate where autograd would add in place
-        self.pre_hooked = [p in self.opt._main_grads.cpu_accumulators for p in self.params]
+        self.pre_hooked = [self.opt.main_grads.has_cpu_hook(p) for p in self.params]
 
     def restore_grads(self) -> None:
         if self.fresh is not None:

@@ -35,7 +35,7 @@ import numpy
 import torch
 from torch import Tensor
 
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # ampfused._contract's (tests/test_contract.py)
 CACHE_SIZE = 8  # live entries per kind: enough for a few optimizers, small enough to forget stale ones
 
 
@@ -64,7 +64,8 @@ _kept: dict[Hashable, object] = {}
 _built_in_capture: set[Hashable] = set()
 _retained: list = []  # memo tables (ScratchRows) a captured graph uses: never freed
 
-# The caller's launch scratch (ampfused.functional.Scratch, [note: scratch] there): uint8, zero between
+# The caller's launch scratch (ampfused.functional.Scratch, [note: scratch] there; the size is
+# ampfused._contract.SCRATCH_BYTES): uint8, zero between
 # launches; byte 0: the stats ticket counter, byte 8: the update's, from byte 16: the stats partials.
 SCRATCH_BYTES = 16 + 16 * 4096
 

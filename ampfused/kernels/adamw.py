@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from itertools import chain, groupby
+from itertools import chain
 
 import torch
 import triton
@@ -36,7 +36,8 @@ LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR, LR_SLOT, LR_FP16_ADDR, LR_BF16_ADDR = map(
 LR_KIND_OF = {torch.float32: int(LR_FP32_ADDR), torch.float64: int(LR_FP64_ADDR), torch.float16: int(LR_FP16_ADDR),
               torch.bfloat16: int(LR_BF16_ADDR)}
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
-SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)  # slots of the stats vector (as ampfused.functional)
+# copies of ampfused._contract's stats slots and group flags (tests/test_contract.py holds them equal)
+SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)
 AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
 
 
@@ -250,10 +251,10 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0] if abs(x) < 3.4e38 else x
 
 
-@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[8] if len(args) > 8 else None).device)
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, hypers, stats: Tensor,
-                  scratch=None, *, grad_scale: Tensor | None = None) -> None:
-    """One AdamW step over every tensor in one launch; see ``ampfused._backends`` for the contract.
+@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[9] if len(args) > 9 else None).device)
+def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
+                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
+    """One AdamW step over every tensor in one launch; see ``ampfused._contract.Backend`` for the contract.
 
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
     a step reads the grads' addresses and the group values only ([note: host time] in ``_tables``).
@@ -263,7 +264,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
         grad_scale = grad_scale.to(device=device, dtype=torch.float32)
-    group_of, group_keys, slot_lrs, keep_alive = _group_rows(hypers, device)
+    group_of, group_keys, slot_lrs, keep_alive = _group_rows(group_ids, groups, device)
     lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
@@ -319,7 +320,7 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     return layout, rows, laid_out
 
 
-def _group_rows(hypers, device):
+def _group_rows(group_ids, groups, device):
     """(group index of every tensor, the distinct group keys, the float lrs of the argument slots,
     tensors those keys point into).
 
@@ -328,21 +329,16 @@ def _group_rows(hypers, device):
     sync) are kernel arguments, so a scheduler that assigns a new float every step uploads
     nothing; only further distinct float lrs are part of the key (a rare re-upload, no sync). An
     lr tensor on the params' device is in the key as its address: the kernel reads its current
-    value, so in-place scheduler updates and CUDA-graph replays see the new value.
+    value, so in-place scheduler updates and CUDA-graph replays see the new value. The caller's
+    groups map onto the keys one to one unless two have equal keys (then their rows are shared);
+    Python per group, never per tensor ([note: host time]).
     """
-    key_of_hyper: dict[int, tuple] = {}
     index_of_key: dict[tuple, int] = {}
     slot_of_lr: dict[float, int] = {}
     keep_alive: list[Tensor] = []
-    group_of: list[int] = []
-    for _, run in groupby(hypers, key=id):  # a run of one Hyper object: O(1) Python ([note: host time])
-        run = list(run)
-        h = run[0]
-        key = key_of_hyper.get(id(h))
-        if key is None:
-            key = key_of_hyper[id(h)] = _group_key(h, device, keep_alive, slot_of_lr)
-        group_of += [index_of_key.setdefault(key, len(index_of_key))] * len(run)
-    return tuple(group_of), tuple(index_of_key), list(slot_of_lr), keep_alive
+    key_index = [index_of_key.setdefault(_group_key(h, device, keep_alive, slot_of_lr), len(index_of_key)) for h in groups]
+    group_of = tuple(group_ids) if len(index_of_key) == len(groups) else tuple(map(key_index.__getitem__, group_ids))
+    return group_of, tuple(index_of_key), list(slot_of_lr), keep_alive
 
 
 def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
@@ -384,20 +380,18 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
     rows = []
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
-        _tables.check(p, f"params[{i}]", device, low)
-        _tables.check(g, f"grads[{i}]", device, low)
+        _tables.check(p, f"params[{i}]", device, low)  # (grads come checked: ampfused._args.check_grad)
         for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
             if t is not None:
                 _tables.check(t, what, device, fp32)
                 if t.numel() != p.numel():
                     raise ValueError(f"{what} has {t.numel()} elements for a param of {p.numel()}")
         _tables.check(step, f"steps[{i}]", device, fp32)
-        if g.numel() != p.numel() or step.numel() != 1:
-            raise ValueError(f"grads[{i}] must match params[{i}] ({p.numel()} elements) and steps[{i}] must be 0-d")
+        if step.numel() != 1:
+            raise ValueError(f"steps[{i}] must be 0-d")
         if group_keys[group_of[i]][7] & int(AMSGRAD) and vmax is None:
             raise ValueError(f"params[{i}] is in an amsgrad group but max_exp_avg_sqs[{i}] is None")
-        for what, t in ((f"grads[{i}]", g), (f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax),
-                        (f"masters[{i}]", master)):
+        for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
             if t is not None and not _tables.same_flat_layout(t, p):
                 raise ValueError(f"{what} is not laid out in memory as params[{i}] (both contiguous, or equal strides)")
         fp32_addrs = [a for a in (m.data_ptr(), v.data_ptr(), 0 if vmax is None else vmax.data_ptr(),

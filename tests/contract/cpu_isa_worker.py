@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ampfused import _backends, _compiled
-from ampfused.functional import Hyper
+from ampfused._contract import Hyper
 
 OUT = sys.argv[1]
 cpu = _backends.resolve("cpu", torch.device("cpu"))[0]
@@ -59,7 +59,7 @@ def main():
                     steps = [torch.tensor(float(i)) for i in range(len(SIZES))]
                     masters = [special_values(n, torch.float32, gen) for n in SIZES] if master else [None] * len(SIZES)
                     hyper = Hyper(1e-2, 0.9, 0.999, 1e-8, 0.01, amsgrad, False)
-                    cpu.adamw_update_(params, grads, m, v, vmax, steps, masters, [hyper] * len(SIZES),
+                    cpu.adamw_update_(params, grads, m, v, vmax, steps, masters, [0] * len(SIZES), [hyper],
                                       torch.tensor([0.0, 0.0, 0.5, 0.0]))
                     key = f"upd-{pd}-{gd}-{master}-{amsgrad}"
                     out[key] = [params, m, v, vmax, steps, masters]
@@ -69,7 +69,7 @@ def main():
         params = [torch.zeros(n, dtype=pd) for n in SIZES]
         zeros = [[torch.zeros(n) for n in SIZES] for _ in range(3)]
         cpu.adamw_update_(params, zeros[0], zeros[1], zeros[2], [None] * len(SIZES), [torch.zeros(()) for _ in SIZES],
-                          masters, [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)] * len(SIZES),
+                          masters, [0] * len(SIZES), [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)],
                           torch.tensor([0.0, 0.0, 1.0, 0.0]))
         out[f"write-back-{pd}"] = (masters, params)
     torch.save(out, OUT)

@@ -183,7 +183,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         return kernel
 
     JITFunction.run = warmup_instead
-    from ampfused.functional import Hyper
+    from ampfused._contract import Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
     assert not _runtime.INTERPRET, "TRITON_INTERPRET is set: these would be interpreter sizes"
@@ -197,7 +197,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
     fp32 = lambda: [torch.zeros(n) for n in numels]  # noqa: E731
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, False, False)
     adamw.adamw_update_(params, fp32(), fp32(), fp32(), [None] * 4, [torch.zeros(()) for _ in numels], [None] * 4,
-                        [hyper] * 4, torch.zeros(4))
+                        [0] * 4, [hyper], torch.zeros(4))
     for min_scale in (None, 1.0):
         scaler.scaler_update_(torch.zeros(()), torch.ones(()), torch.zeros((), dtype=torch.int32),
                               torch.ones((), dtype=torch.int32), torch.zeros((), dtype=torch.int64),

@@ -10,7 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _compiled, reference
-from ampfused.functional import Hyper
+from ampfused._contract import Hyper
 from test_passes import assert_update_close, make_tensors as _make_tensors, stats_vector
 
 _CPU_BACKEND, _CPU_REASON = _compiled.get_backend("cpu")
@@ -131,7 +131,7 @@ def test_cuda_graph_capture_of_both_passes():
 
     def step(b, ts):
         b.grad_stats_(ts[1], scale, None, 1.0, stats)
-        b.adamw_update_(*ts, hypers, stats)
+        b.adamw_update_(*ts, [0, 0, 0], hypers[:1], stats)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -184,7 +184,7 @@ def test_fp16_conversions_are_exact_for_every_bit_pattern(device, flush_denormal
     zeros = [torch.zeros_like(masters) for _ in range(3)]
     no_change = Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)  # lr 0, zero grads: the master stays put
     backend.adamw_update_([params], [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=device)],
-                          [masters], [no_change], torch.tensor([0.0, 0.0, 1.0, 0.0], device=device))
+                          [masters], [0], [no_change], torch.tensor([0.0, 0.0, 1.0, 0.0], device=device))
     assert torch.equal(masters, weights)
     assert torch.equal(params.view(torch.int16), weights.to(torch.float16).view(torch.int16))
 

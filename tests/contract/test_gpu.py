@@ -10,7 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, reference
-from ampfused.functional import Hyper
+from ampfused._contract import Hyper
 
 pytestmark = pytest.mark.gpu
 
@@ -142,8 +142,9 @@ def test_large_and_many_tensors_match_reference(backend):
     )
     want = {k: [None if t is None else t.clone() for t in v] for k, v in state.items()}
     stats = torch.tensor([0.0, 0.0, 0.3, 0.0], device="cuda")  # norm, skip, factor, sumsq
-    module.adamw_update_(*state.values(), hyper_of, stats)
-    reference.adamw_update_(*want.values(), hyper_of, stats)
+    group_ids = [i % 2 for i in range(len(sizes))]
+    module.adamw_update_(*state.values(), group_ids, hypers, stats)
+    reference.adamw_update_(*want.values(), group_ids, hypers, stats)
     for key in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps"):
         for a, b in zip(state[key], want[key]):
             if b is not None:

@@ -12,7 +12,8 @@ import torch
 
 import ampfused
 from ampfused import _backends, _compiled, reference
-from ampfused.functional import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Hyper
+from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Hyper
+from ampfused.functional import group_hypers
 from helpers import DEVICE
 
 SIZES = (1, 97, 1025, 65537)
@@ -69,8 +70,8 @@ def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misali
 
 def run_both(name, tensors, hypers, factor=0.5, skip=0.0):
     expected = copy.deepcopy(tensors)
-    module(name).adamw_update_(*tensors, hypers, stats_vector(factor, skip))
-    reference.adamw_update_(*expected, hypers, stats_vector(factor, skip))
+    module(name).adamw_update_(*tensors, *group_hypers(hypers), stats_vector(factor, skip))
+    reference.adamw_update_(*expected, *group_hypers(hypers), stats_vector(factor, skip))
     return tensors, expected
 
 
@@ -134,8 +135,8 @@ def test_update_float_lrs_change_every_step(backend):
     expected = copy.deepcopy(tensors)
     for k in range(3):
         hypers = [Hyper(1e-3 * (1 + i) / (k + 1) + 1e-9 * k, 0.9, 0.999, 1e-8, 0.01, False, False) for i in range(len(sizes))]
-        module(backend).adamw_update_(*tensors, hypers, stats_vector())
-        reference.adamw_update_(*expected, hypers, stats_vector())
+        module(backend).adamw_update_(*tensors, *group_hypers(hypers), stats_vector())
+        reference.adamw_update_(*expected, *group_hypers(hypers), stats_vector())
     assert_update_close(tensors, expected)
 
 
@@ -183,7 +184,7 @@ def test_skip_leaves_everything_bitwise_unchanged(backend, amsgrad, skip):
     tensors = make_tensors(SIZES, torch.bfloat16, torch.float32, True, amsgrad, seed=6)
     before = copy.deepcopy(tensors)
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, amsgrad, False)
-    module(backend).adamw_update_(*tensors, [hyper] * len(SIZES), stats_vector(0.5, skip))
+    module(backend).adamw_update_(*tensors, [0] * len(SIZES), [hyper], stats_vector(0.5, skip))
     for got_list, want_list in zip(tensors, before):
         for got, want in zip(got_list, want_list):
             assert (got is None and want is None) or torch.equal(got, want)
@@ -200,8 +201,8 @@ def test_repeated_steps_and_reallocated_tensors(backend):
         for g, g_ref in zip(tensors[1], expected[1]):
             g.normal_()
             g_ref.copy_(g)
-        module(backend).adamw_update_(*tensors, [hyper] * 2, stats_vector())
-        reference.adamw_update_(*expected, [hyper] * 2, stats_vector())
+        module(backend).adamw_update_(*tensors, [0, 0], [hyper], stats_vector())
+        reference.adamw_update_(*expected, [0, 0], [hyper], stats_vector())
     assert_update_close(tensors, expected)
     assert [t.item() for t in tensors[5]] == [4.0, 5.0]
 
@@ -223,7 +224,7 @@ def test_param_write_back_rounds_to_nearest_even(backend, dtype):
     params = [torch.zeros(n, dtype=dtype, device=DEVICE)]
     zeros = [torch.zeros(n, device=DEVICE) for _ in range(3)]
     module(backend).adamw_update_(params, [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=DEVICE)],
-                                  masters, [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)], stats_vector())
+                                  masters, [0], [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)], stats_vector())
     assert torch.equal(masters[0].view(torch.int32), master.view(torch.int32))
     want = master.to(dtype)
     same = (params[0].view(torch.int16) == want.view(torch.int16)) | (params[0].isnan() & want.isnan())

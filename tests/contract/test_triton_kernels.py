@@ -89,12 +89,13 @@ def test_tables_built_during_capture_are_kept_and_never_served_eagerly(monkeypat
 
 
 def test_update_rejects_state_laid_out_unlike_its_param():
-    from ampfused.functional import Hyper
+    from ampfused._contract import Hyper
 
     param = torch.zeros(4, 6)
     with pytest.raises(ValueError, match="laid out in memory"):
         kernels.adamw_update_([param], [torch.zeros(4, 6)], [torch.zeros(6, 4).t()], [torch.zeros(4, 6)], [None],
-                              [torch.zeros(())], [None], [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)], torch.zeros(4))
+                              [torch.zeros(())], [None], [0], [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)],
+                              torch.zeros(4))
 
 
 # ------------------------------------------------------------------------------ compiled for a GPU
@@ -203,7 +204,7 @@ def test_kernels_compile_for_a_gpu_without_one():
 def test_float_lr_changing_every_step_uploads_no_table():
     """A scheduler assigning a new float lr each step: the lr travels as kernel arguments, so the
     group table (and every other table) is found in the cache, nothing is built."""
-    from ampfused.functional import Hyper
+    from ampfused._contract import Hyper
 
     _tables.clear()
     params, grads = [torch.randn(300), torch.randn(7)], [torch.randn(300), torch.randn(7)]
@@ -220,7 +221,7 @@ def test_float_lr_changing_every_step_uploads_no_table():
         for k in range(4):
             hypers = [Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.01, False, False),
                       Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.0, False, False)]  # decay / no-decay groups
-            kernels.adamw_update_(params, grads, state[0], state[1], [None, None], steps, [None, None], hypers,
+            kernels.adamw_update_(params, grads, state[0], state[1], [None, None], steps, [None, None], [0, 1], hypers,
                                   torch.tensor([0.0, 0.0, 1.0, 0.0]))
             if k == 0:
                 first = list(built)

@@ -59,7 +59,7 @@ def test_main_grad_is_a_view_of_flat_storage(device):
     storages = {p.main_grad.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(storages) == 1 and all(p.main_grad.dtype == torch.float32 for p in model.parameters())
     assert all(p.main_grad.data_ptr() % 128 == 0 for p in model.parameters())
-    assert opt._main_grads.flat is not None
+    assert opt.main_grads.flat is not None
 
 
 def test_flags_off_read_low_precision_grads_directly(backend, device):

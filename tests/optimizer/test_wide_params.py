@@ -1,4 +1,4 @@
-"""float64 and complex params ([note: wide params] in ampfused/_flat.py), meta-device params, the
+"""float64 and complex params ([note: wide params] in ampfused/_args.py), meta-device params, the
 copies' public attributes, and the bitwise claims of README ("What is bitwise to what")."""
 import copy
 import pickle

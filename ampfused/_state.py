@@ -1,0 +1,176 @@
+"""The optimizer's state room: flat buffers, per-param views, layout changes, lazy state.
+
+[note: flat state] ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``master_param`` (and, in
+``_main_grad``, ``main_grad``) each live in one fp32 buffer per device; ``optimizer.state[p]`` holds
+views with the shapes torch.optim.AdamW uses. Every view starts on a 128-byte boundary so that
+vectorized kernels never straddle two params in one access and every view is 16-byte aligned. The
+step counters live in one fp32 vector, ``state[p]["step"]`` a 0-d view of it.
+
+[note: memory formats] A view gets the strides of its param (``channels_last`` included), as
+``torch.zeros_like(p, memory_format=torch.preserve_format)`` would: any dense, non-overlapping
+tensor covers one block of ``numel`` elements, and with equal strides element ``i`` of that block is
+the same logical element in param, grad and every state tensor, so the passes stay element-wise
+over flat memory.
+
+This is where a state encoding other than fp32 plugs in: the buffers' dtype and what a view is are
+decided here, and nowhere else.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _dtensor
+from ._args import LOW_PRECISION
+from ._contract import KERNEL_DTYPES, is_dense
+
+ALIGN_BYTES = 128
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def wide_indices(params: Sequence[Tensor]) -> list[int]:
+    """Indices of the float64/complex tensors, which the reference passes serve ([note: wide params] in ``_args``)."""
+    return [i for i, p in enumerate(params) if p.dtype not in KERNEL_DTYPES]
+
+
+def dense_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides a dense copy of ``t`` gets: its own when it is dense, else contiguous ones."""
+    return tuple(t.stride()) if is_dense(t) else tuple(torch.empty(t.shape, device="meta").stride())
+
+
+def aligned_offsets(numels: Sequence[int], element_size: int = 4) -> tuple[list[int], int]:
+    """Start offset (in elements) of each chunk, each a multiple of ALIGN_BYTES; and the total size."""
+    align = max(1, ALIGN_BYTES // element_size)
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += -(-n // align) * align
+    return offsets, total
+
+
+class FlatBuffer:
+    """One zero-initialised buffer holding a chunk shaped (and strided) like each of ``like``.
+
+    ``data`` is the whole buffer (what a collective reduces at once), ``views[i]`` the chunk of ``like[i]``.
+    """
+
+    def __init__(self, like: Sequence[Tensor], device: torch.device, dtype: torch.dtype = torch.float32):
+        element_size = torch.empty((), dtype=dtype).element_size()
+        self.offsets, total = aligned_offsets([t.numel() for t in like], element_size)
+        # allocators guarantee less than 128 bytes on some devices (64 on CPU): over-allocate and shift
+        raw = torch.zeros(total + ALIGN_BYTES // element_size, dtype=dtype, device=device)
+        shift = (-raw.data_ptr() % ALIGN_BYTES) // element_size
+        self.data = raw[shift : shift + total]
+        base = self.data.storage_offset()
+        self.views = [self.data.as_strided(t.shape, dense_strides(t), base + o) for o, t in zip(self.offsets, like)]
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+
+def uses_master(p: Tensor, master_weights) -> bool:
+    """Whether ``p`` gets an fp32 master copy (``master_weights``: the optimizer's option)."""
+    return p.dtype in LOW_PRECISION and master_weights is not False
+
+
+class StateRoom:
+    """The flat state of one optimizer, laid out over its param groups and filled lazily.
+
+    Holds its optimizer weakly (the optimizer's finalizers must run when the user drops it) and reads
+    ``param_groups``, ``state``, its device and ``master_weights`` from it at each layout.
+    """
+
+    def __init__(self, owner):
+        self._owner = weakref.ref(owner)
+        self.flat: dict[str, FlatBuffer] | None = None  # built at the first step
+        self.steps: Tensor | None = None
+        self.index: dict[Tensor, int] = {}
+        self.slots: dict[str, dict] = {}
+        self.masters_pending: list[Tensor] = []  # loaded without master_param: copied from p at the next step
+
+    def invalidate(self) -> None:
+        """New params: the flat state is laid out again at the next step."""
+        self.flat = None
+
+    def layout(self) -> None:
+        """Allocate flat state for every param (old contents copied) and re-point the state views."""
+        opt = self._owner()
+        device = opt._device
+        params = [p for g in opt.param_groups for p in g["params"]]
+        amsgrad = [p for g in opt.param_groups if g["amsgrad"] for p in g["params"]]
+        masters = [p for p in params if uses_master(p, opt.master_weights)]
+        local = _dtensor.local_tensors  # [distributed] flat storage holds DTensor params' local shards
+        flat_params, flat_amsgrad = ([p for p in ps if p.dtype in KERNEL_DTYPES] for ps in (params, amsgrad))
+        flat = {"exp_avg": FlatBuffer(local(flat_params), device), "exp_avg_sq": FlatBuffer(local(flat_params), device)}
+        if flat_amsgrad:
+            flat["max_exp_avg_sq"] = FlatBuffer(local(flat_amsgrad), device)
+        if masters:
+            flat["master_param"] = FlatBuffer(local(masters), device)
+        steps = torch.zeros(len(params), dtype=torch.float32, device=device)
+        index = {p: i for i, p in enumerate(params)}
+        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (
+            ("exp_avg", flat_params), ("exp_avg_sq", flat_params), ("max_exp_avg_sq", flat_amsgrad), ("master_param", masters))}
+        slots["max_exp_avg_sq"].update((p, None) for p in amsgrad if p.dtype not in KERNEL_DTYPES)
+        for p, state in opt.state.items():
+            if not state:
+                continue
+            steps[index[p]].copy_(state["step"])
+            state["step"] = steps[index[p]]
+            if p.dtype not in KERNEL_DTYPES:  # [note: wide params] their state keeps its own tensors
+                continue
+            for key in MOMENT_KEYS:
+                if key in state:
+                    view = flat[key].views[slots[key][p]]
+                    view.copy_(_dtensor.local(state[key]))
+                    state[key] = _dtensor.like_param(view, p)
+        self.flat, self.steps, self.index, self.slots = flat, steps, index, slots
+        opt._plan = None  # the cached lists hold the old views
+
+    def view(self, key: str, p: Tensor) -> Tensor:
+        """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
+        if p.dtype not in KERNEL_DTYPES:  # [note: wide params] a tensor of its own, in the param's dtype
+            return torch.zeros_like(p, memory_format=torch.preserve_format)
+        return _dtensor.like_param(self.flat[key].views[self.slots[key][p]], p)
+
+    def init(self, p: Tensor, amsgrad: bool) -> None:
+        """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
+
+        A param whose group turned ``amsgrad`` on after it was stepped keeps its state and only
+        gains a zero ``max_exp_avg_sq`` (where torch.optim.AdamW would raise a KeyError).
+        """
+        opt = self._owner()
+        if self.flat is None or p not in self.index or (amsgrad and p not in self.slots["max_exp_avg_sq"]):
+            self.layout()
+        state = opt.state[p]
+        if not state:
+            state["step"] = self.steps[self.index[p]].zero_()
+            state["exp_avg"] = self.view("exp_avg", p).zero_()
+            state["exp_avg_sq"] = self.view("exp_avg_sq", p).zero_()
+            if uses_master(p, opt.master_weights):
+                state["master_param"] = self.view("master_param", p)
+                _dtensor.copy_local_(state["master_param"], p)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self.view("max_exp_avg_sq", p).zero_()
+
+    def prepare(self, work) -> None:
+        """Lazy state for every ``(param, grad, group)`` about to step; state follows a param's memory format."""
+        state_of = self._owner().state
+        for p, _, group in work:  # may re-lay out the flat state: finish before the plan takes views
+            state = state_of[p]
+            if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
+                self.init(p, group["amsgrad"])
+            elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
+                self.layout()
+
+    def copy_pending_masters(self) -> None:
+        """[note: masters of a torch checkpoint] masters a load left out are taken from p at the next
+        step (or state_dict()), not at the load: a script may load the model's weights after the optimizer's."""
+        state_of = self._owner().state
+        for p in self.masters_pending:
+            state = state_of.get(p)
+            if state and "master_param" in state:  # (not if the state was reset since the load)
+                _dtensor.copy_local_(state["master_param"], p)
+        self.masters_pending = []

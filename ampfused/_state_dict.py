@@ -1,0 +1,102 @@
+"""FusedAmpAdamW's state dicts: torch.optim.AdamW's format both ways, validated before any write.
+
+:func:`validate` is pure: it reads a state dict against the optimizer's groups and raises before
+anything changes. :func:`apply` then writes it: group options, and state copied into fresh flat
+buffers (``_state``), fp32 whatever the param dtype (torch's base class would cast it to the param
+dtype); master weights missing from the dict are taken from the params at the next step.
+"""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from itertools import chain
+from typing import NamedTuple
+
+import torch
+from torch.optim import Optimizer
+
+from . import _dtensor
+from ._state import MOMENT_KEYS
+
+# [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
+# must find values that describe this optimizer: always fused, capturable (no host sync in step()),
+# decoupled weight decay, never differentiable. state_dict() writes torch's defaults instead, so a
+# checkpoint loads into torch.optim.AdamW and runs there as a fresh AdamW would.
+IMPLEMENTATION_KEYS = dict(foreach=False, fused=True, capturable=True, differentiable=False, decoupled_weight_decay=True)
+TORCH_IMPLEMENTATION_DEFAULTS = dict(foreach=None, fused=None, capturable=False, differentiable=False, decoupled_weight_decay=True)
+
+
+class Checked(NamedTuple):
+    """A state dict that :func:`validate` accepted, with what :func:`apply` needs of it."""
+
+    saved_groups: list
+    saved_state: dict
+    param_of: dict  # saved param id -> the optimizer's param
+    amsgrad_of: dict  # saved param id -> its saved group's amsgrad
+    steps: dict  # saved param id -> 0-d fp32 step
+
+
+def state_dict(opt: Optimizer) -> dict:
+    """torch's state dict of ``opt`` with torch.optim.AdamW's implementation defaults in its groups."""
+    if opt._state_room.masters_pending:
+        with torch.no_grad():
+            opt._state_room.copy_pending_masters()
+    result = Optimizer.state_dict(opt)
+    for group in result["param_groups"]:
+        group.update(TORCH_IMPLEMENTATION_DEFAULTS)
+    return result
+
+
+def validate(param_groups: list, state_dict: dict) -> Checked:
+    """Check ``state_dict`` against ``param_groups`` without writing anything; raises ValueError."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(s["params"]) for g, s in zip(param_groups, saved_groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    param_of = dict(zip(chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in param_groups)))
+    amsgrad_of = {p: s.get("amsgrad", False) for s in saved_groups for p in s["params"]}
+    saved_state = state_dict["state"]
+    steps = {}
+    for key, values in saved_state.items():
+        if key not in param_of:
+            raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
+        p = param_of[key]
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values]
+        if missing:
+            raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
+        for name in MOMENT_KEYS:
+            if name in values:  # [distributed] sharded state must come as DTensors
+                _dtensor.check_state(p, values[name], f"state {name!r} of parameter {key}")
+            if name in values and tuple(values[name].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"state {name!r} of parameter {key} has shape {tuple(values[name].shape)} but the parameter has "
+                    f"shape {tuple(p.shape)}: the state dict belongs to another model or optimizer")
+        step = torch.as_tensor(values["step"], dtype=torch.float32)  # torch saves 0-d or 1-element steps
+        if step.numel() != 1:
+            raise ValueError(f"state 'step' of parameter {key} has shape {tuple(step.shape)}; expected a scalar")
+        steps[key] = step.reshape(())
+    return Checked(saved_groups, saved_state, param_of, amsgrad_of, steps)
+
+
+@torch.no_grad()
+def apply(opt: Optimizer, checked: Checked) -> None:
+    """Write a validated state dict into ``opt``: group options, then fresh flat state filled from it."""
+    for group, saved in zip(opt.param_groups, checked.saved_groups):
+        group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+        group.update(IMPLEMENTATION_KEYS)
+        group["betas"] = tuple(group["betas"])
+    opt.state = defaultdict(dict)
+    room = opt._state_room
+    room.layout()
+    room.masters_pending = []
+    for key, values in checked.saved_state.items():
+        p = checked.param_of[key]
+        room.init(p, bool(checked.amsgrad_of[key]))
+        state = opt.state[p]
+        state["step"].copy_(checked.steps[key])
+        for name in MOMENT_KEYS:
+            if name in values and name in state:
+                _dtensor.copy_state_(state[name], values[name])
+        if "master_param" in state and "master_param" not in values:
+            room.masters_pending.append(p)  # see [note: masters of a torch checkpoint] in _state
