@@ -77,7 +77,7 @@ from torch import Tensor
 
 __all__ = [
     "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "quantize",
-    "dequantize", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
+    "dequantize", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
 ]
 
 BLOCK = 256
@@ -267,6 +267,11 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
 
 
 # ------------------------------------------------------------------ per-tensor state
+
+def is_compact_key(key: str) -> bool:
+    """Whether a state key exists only in compact state (torch and ampfused's fp32 mode never write it)."""
+    return key in ("master_low16", "master_residual8") or key.endswith(("_codes", "_scales"))
+
 
 def _master_mode(param: Tensor, state: dict) -> str:
     for mode, key in MASTER_KEYS.items():

@@ -266,3 +266,69 @@ def test_skipped_step_leaves_every_compact_buffer_bitwise(master_weights, state_
     assert torch.equal(param.view(torch.int16), before[1].view(torch.int16))
     C.compact_adamw_step_(param, torch.randn(70, 64), state, skip=torch.tensor(0.0), **hyper)
     assert state["step"] == 2 and not torch.equal(param.view(torch.int16), before[1].view(torch.int16))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def compact_state_dict():
+    """A state dict as an optimizer with compact state writes it: one param per mode."""
+    torch.manual_seed(0)
+    params = [torch.randn(70, 64).to(torch.bfloat16), torch.randn(70, 64).to(torch.float16), torch.randn(5, 3),
+              torch.randn(64, 70).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16)]
+    modes = [("split16", "int8"), ("split8", torch.bfloat16), ("fp32", "int8"), ("fp32", torch.float32), ("none", torch.bfloat16)]
+    states = {}
+    for i, (p, (mw, sd)) in enumerate(zip(params, modes)):
+        st = C.init_state(p, mw, sd, amsgrad=True)
+        for _ in range(3):
+            C.compact_adamw_step_(p, torch.randn(p.shape), st, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True)
+        states[i] = st
+    groups = [{"params": [0, 1, 2], "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": True,
+               "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None},
+              {"params": [3, 4], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": True,
+               "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}]
+    return {"state": states, "param_groups": groups}, params
+
+
+def test_to_torch_state_dict_loads_into_torch_adamw():
+    from ampfused.checkpoint import to_torch_state_dict
+
+    sd, params = compact_state_dict()
+    snapshot = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    out = to_torch_state_dict(sd)
+    for i, st in sd["state"].items():  # the input is not modified
+        assert all(torch.equal(st[k], snapshot[i][k]) for k in st)
+    for i, entry in out["state"].items():
+        assert not any(C.is_compact_key(k) for k in entry)
+        assert "master_param" not in entry or i == 3, "without params only stored fp32 masters survive"
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert entry[key].dtype == torch.float32 and entry[key].shape == params[i].shape
+            assert torch.equal(entry[key], C.decode_state(sd["state"][i])[key])
+    fp32_params = [p.float().requires_grad_() for p in params]
+    opt = torch.optim.AdamW([{"params": fp32_params[:3]}, {"params": fp32_params[3:]}], foreach=False, amsgrad=True)
+    opt.load_state_dict(out)
+    for i, p in enumerate(fp32_params):
+        assert torch.equal(opt.state[p]["exp_avg"], out["state"][i]["exp_avg"])
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in fp32_params)
+
+
+def test_to_torch_state_dict_with_params_gives_fp32_masters():
+    from ampfused.checkpoint import to_torch_state_dict
+
+    sd, params = compact_state_dict()
+    out = to_torch_state_dict(sd, params)
+    assert torch.equal(out["state"][0]["master_param"], C.join16(params[0], sd["state"][0]["master_low16"]))
+    assert torch.equal(out["state"][1]["master_param"], C.join8(params[1], sd["state"][1]["master_residual8"]))
+    assert torch.equal(out["state"][3]["master_param"], sd["state"][3]["master_param"])
+    for i in (0, 1, 3):
+        assert torch.equal(out["state"][i]["master_param"].to(params[i].dtype).view(torch.int16), params[i].view(torch.int16))
+    assert "master_param" not in out["state"][2] and "master_param" not in out["state"][4]
+    by_dict = to_torch_state_dict(sd, dict(enumerate(params)))
+    assert torch.equal(by_dict["state"][0]["master_param"], out["state"][0]["master_param"])
+    with pytest.raises(ValueError, match="state-dict order"):
+        to_torch_state_dict(sd, params[::-1])
+    with pytest.raises(ValueError, match="entries"):
+        to_torch_state_dict(sd, params[:2])
+    with pytest.raises(TypeError, match="optimizer state dict"):
+        to_torch_state_dict({"exp_avg": 1})
