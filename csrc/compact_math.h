@@ -18,8 +18,8 @@
 //
 // [note: exactness] Every step is an integer operation or one correctly rounded fp32 operation
 // (division, sqrt, product), and scalings by powers of two are split in two exact factors, so
-// compilers and devices agree bit for bit; nothing here may be contracted into an fma (the CPU
-// files build with -ffp-contract=off, and no product here feeds an addition).
+// compilers and devices agree bit for bit. The only products that feed an addition (join8's
+// p + q * 2^k) are exact, so contracting them into an fma changes nothing either.
 #pragma once
 
 #include <cmath>

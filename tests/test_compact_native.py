@@ -143,3 +143,111 @@ def test_cpp_int8_moments(shim, kind):
     back = np_out(x.numel(), np.float32)
     call(decode, out, scales.numpy(), back)
     same_bits(torch.from_numpy(back), decoded, f"{kind} decoded")
+
+
+# ------------------------------------------------------------------ Triton (kernels/compact.py)
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+import triton.language as tl  # noqa: E402
+
+from ampfused.kernels import compact as K  # noqa: E402
+from helpers import DEVICE  # noqa: E402
+
+TRITON_BLOCK = 1024 if DEVICE.type == "cuda" else 16384  # the interpreter pays per program, not per element
+
+
+@triton.jit
+def _rounding_kernel(x_ptr, rand_ptr, rne_ptr, sr_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    rand = tl.load(rand_ptr + offs, mask=mask, other=0).to(tl.uint32)
+    tl.store(rne_ptr + offs, K.bf16_rne_bits(x).to(tl.int32), mask=mask)
+    tl.store(sr_ptr + offs, K.bf16_sr_bits(x, rand).to(tl.int32), mask=mask)
+
+
+@triton.jit
+def _split16_kernel(m_ptr, hi_ptr, lo_ptr, back_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    hi, lo = K.split16(tl.load(m_ptr + offs, mask=mask, other=0.0))
+    tl.store(hi_ptr + offs, hi.to(tl.int32), mask=mask)
+    tl.store(lo_ptr + offs, lo.to(tl.int32), mask=mask)
+    tl.store(back_ptr + offs, K.join16(hi, lo), mask=mask)
+
+
+@triton.jit
+def _split8_kernel(m_ptr, bits_ptr, q_ptr, back_ptr, n, FP16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    bits, q = K.split8(tl.load(m_ptr + offs, mask=mask, other=0.0), FP16)
+    tl.store(bits_ptr + offs, bits.to(tl.int32), mask=mask)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(back_ptr + offs, K.join8(bits, q, FP16), mask=mask)
+
+
+@triton.jit
+def _moment_kernel(x_ptr, scale_ptr, code_ptr, back_ptr, n, SIGNED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + offs // SCALE_BLOCK, mask=mask, other=1.0)
+    if SIGNED:
+        code = K.encode_exp_avg(x, scale)
+        back = K.decode_exp_avg(code, scale)
+    else:
+        code = K.encode_exp_avg_sq(x, scale)
+        back = K.decode_exp_avg_sq(code, scale)
+    tl.store(code_ptr + offs, code, mask=mask)
+    tl.store(back_ptr + offs, back, mask=mask)
+
+
+def launch(kernel, n, *args, **constexprs):
+    kernel[(triton.cdiv(n, TRITON_BLOCK),)](*args, n, BLOCK=TRITON_BLOCK, **constexprs)
+
+
+def empty(n, dtype=torch.int32):
+    return torch.empty(n, dtype=dtype, device=DEVICE)
+
+
+def test_triton_bf16_rounding():
+    m = masters()
+    rand = torch.randint(0, 1 << 16, m.shape, generator=torch.Generator().manual_seed(9))
+    rne, sr = empty(m.numel()), empty(m.numel())
+    launch(_rounding_kernel, m.numel(), m.to(DEVICE), rand.to(torch.int32).to(DEVICE), rne, sr)
+    same_bits(C._from_bits16(rne.cpu().long(), torch.bfloat16), C.round_bf16(m), "RNE16")
+    same_bits(C._from_bits16(sr.cpu().long(), torch.bfloat16), C.stochastic_round_bf16(m, rand), "SR16")
+
+
+def test_triton_split16():
+    m = masters()
+    hi, lo, back = empty(m.numel()), empty(m.numel()), empty(m.numel(), torch.float32)
+    launch(_split16_kernel, m.numel(), m.to(DEVICE), hi, lo, back)
+    sp, slo = C.split16(m)
+    same_bits(C._from_bits16(hi.cpu().long(), torch.bfloat16), sp, "split16 param")
+    same_bits(C._from_bits16(lo.cpu().long(), torch.int16), slo, "split16 low")
+    same_bits(back.cpu(), C.join16(sp, slo), "join16")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_split8(dtype):
+    m = masters()
+    bits, q, back = empty(m.numel()), empty(m.numel()), empty(m.numel(), torch.float32)
+    launch(_split8_kernel, m.numel(), m.to(DEVICE), bits, q, back, FP16=dtype == torch.float16)
+    sp, sq = C.split8(m, dtype)
+    nan = torch.isnan(m)
+    same_bits(C._from_bits16(bits.cpu().long(), dtype), sp, "split8 param")
+    same_bits(q.cpu()[~nan], sq.to(torch.int32)[~nan], "split8 residual")
+    same_bits(back.cpu(), C.join8(sp, sq), "join8")
+
+
+@pytest.mark.parametrize("kind", ["signed", "sqrt"])
+def test_triton_int8_moments(kind):
+    x = moments(kind)
+    codes, scales, decoded = spec_codes(x, kind)
+    code, back = empty(x.numel()), empty(x.numel(), torch.float32)
+    launch(_moment_kernel, x.numel(), x.to(DEVICE), scales.to(DEVICE), code, back, SIGNED=kind == "signed",
+           SCALE_BLOCK=C.BLOCK)
+    same_bits(code.cpu(), codes.to(torch.int32), f"{kind} codes")
+    same_bits(back.cpu(), decoded, f"{kind} decoded")
