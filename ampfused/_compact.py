@@ -345,7 +345,7 @@ def encode_state(param: Tensor, fp32_state: dict, master_weights: str = "fp32", 
     params only. In the split modes the param is set to ``RNE(master)`` in place (a no-op for
     ampfused's fp32 mode, which keeps that invariant; a torch state has no master: ``param.float()``)."""
     _check_modes(param, master_weights, state_dtype)
-    state = {"step": fp32_state["step"].detach().to(torch.float32).clone()}
+    state = {"step": fp32_state["step"].detach().to(device=param.device, dtype=torch.float32).clone()}
     for key in MOMENTS:
         if key in fp32_state:
             _encode_moment(state, key, fp32_state[key].detach().float().to(param.device), state_dtype, False, None)

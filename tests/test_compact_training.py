@@ -12,7 +12,7 @@ import torch
 
 from ampfused import _compact as C
 
-STEPS = 300
+STEPS = 200
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 
 
@@ -116,3 +116,27 @@ def test_bf16_params_without_master_stall_where_stochastic_rounding_does_not():
     sr, *_ = run_compact("none", torch.float32, stochastic=True)
     reference, *_ = run_torch(tie_rule=False)
     assert abs(sr - reference) < abs(rne - reference)
+
+
+@pytest.mark.parametrize("amsgrad,maximize,tensor_lr", [(False, False, False), (True, True, True)])
+def test_step_math_is_the_reference_backends(amsgrad, maximize, tensor_lr):
+    """With an fp32 master and fp32 moments the compact step is ampfused.reference's update, bit for bit."""
+    from ampfused import reference
+    from ampfused.functional import Hyper
+
+    torch.manual_seed(0)
+    param = torch.randn(33, 17).to(torch.bfloat16)
+    lr = torch.tensor(3e-3) if tensor_lr else 3e-3
+    hyper = Hyper(lr, 0.9, 0.99, 1e-6, 0.05, amsgrad, maximize)
+    state = C.init_state(param, "fp32", torch.float32, amsgrad)
+    p_ref, ref = param.clone(), {k: v.clone() for k, v in state.items()}
+    factor = torch.tensor(0.37)
+    for _ in range(5):
+        grad = torch.randn(33, 17)
+        C.compact_adamw_step_(param, grad, state, lr=lr, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.05,
+                              amsgrad=amsgrad, maximize=maximize, factor=factor, skip=torch.tensor(0.0))
+        reference._adamw_one(p_ref, grad, ref["exp_avg"], ref["exp_avg_sq"], ref.get("max_exp_avg_sq"), ref["step"],
+                             ref["master_param"], hyper, factor, torch.tensor(False))
+    assert torch.equal(param.view(torch.int16), p_ref.view(torch.int16))
+    for key, value in ref.items():
+        assert torch.equal(C._bits(state[key]), C._bits(value)), key
