@@ -27,7 +27,10 @@ RNE(m)`` and the rounding error ``e = m - p`` (exact in fp32, ``|e| <= ulp(p)/2`
 for zeros and subnormals). Error bound: ``|join8(split8(m)) - m| <= ulp(p)/512`` whenever
 ``|e| <= 255/512 ulp(p)`` and ``<= ulp(p)/256`` always (the clamp at ±127 keeps ``RNE(join8) ==
 p``), i.e. about 2^-16 (bf16) / 2^-19 (fp16) relative, 2^-15 / 2^-18 at worst. Masters whose param
-overflows (``|m| >= 65520`` for fp16) decode to the param's ``±inf``.
+overflows (``|m| >= 65520`` for fp16) decode to the param's ``±inf``. [note: power-of-two residual]
+FlashOptim spreads 255 codes over ``[-ulp/2, ulp/2]`` (uniform ``ulp/508``, but a rounded decode);
+a power-of-two unit makes ``join8`` exact and idempotent (``split8(join8(p, q)) == (p, q)``), the
+same bits on every backend, at the price of the ``ulp/256`` band next to the clamp.
 
 **bf16 rounding** of moments (and of params without a master): ``RNE16(u) = (u + 0x7FFF + lsb) >> 16``
 (``Tensor.to(torch.bfloat16)``), or stochastically from 16 uniform random bits ``r``:
@@ -48,6 +51,11 @@ linear log compander (as A-law's segments): constant relative error over a wide 
   (``t 2^-18`` for ``f = 0``; ``k = 240`` is 1); ``v' = (code value * scale)^2``. Per block:
   ``|sqrt(v') - sqrt(v)| <= 2^-5 sqrt(v) + 2^-19 max sqrt(v)``, i.e. ``v`` within about 2^-4 relative.
 
+[note: float-like grids] bitsandbytes' dynamic map reaches further (1e-7) but needs a 256-entry
+table and a search to encode; FlashOptim's grids (softsign of m, linear in sqrt(v), groups of 32) have
+an absolute resolution of about 1/254 of the block maximum, while Adam divides every element by its
+own ``sqrt(v)``, so small elements of a block matter as much as large ones. These grids keep a
+constant relative error over 2^14 and encode with integer operations only, exactly on every backend.
 Codes are RNE of ``y`` to the grid (ties to the even code). A block with a non-finite element
 decodes to NaN (its scale is not finite). Tensors under ``SMALL_TENSOR_NUMEL`` elements keep fp32
 moments (as bitsandbytes keeps small tensors in 32 bits): their scales would cost more than they save.
