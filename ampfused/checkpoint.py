@@ -21,6 +21,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import os
@@ -29,7 +30,9 @@ import tempfile
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load", "latest", "rng_state", "set_rng_state"]
+from . import _compact
+
+__all__ = ["CheckpointError", "save", "load", "latest", "rng_state", "set_rng_state", "to_torch_state_dict"]
 
 MAGIC = b"AMPFUSED-CKPT-1\n"  # 16 bytes
 _TRAILER = len(MAGIC) + 32
@@ -125,3 +128,43 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def to_torch_state_dict(sd: dict, params=None) -> dict:
+    """Expand an optimizer state dict with compact state into one ``torch.optim.AdamW.load_state_dict``
+    accepts: fp32 ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) for every param.
+
+    ``params``: the optimizer's params in state-dict order (``[p for g in opt.param_groups for p in
+    g["params"]]``), or a dict from state-dict index to param. With them, every 16-bit param with a
+    master also gets the fp32 ``master_param`` that ampfused's fp32 mode loads (a ``split16``/``split8``
+    master is the param plus stored bits, so it cannot be rebuilt without the param); without them
+    those masters are dropped, and torch continues from the params. The compact keys (see
+    ``ampfused._compact``) are replaced; other entries and ``param_groups`` are copied; ``sd`` is not
+    modified. Example::
+
+        torch_sd = ampfused.checkpoint.to_torch_state_dict(opt.state_dict(), [p for g in opt.param_groups for p in g["params"]])
+        torch.optim.AdamW(model.parameters()).load_state_dict(torch_sd)
+    """
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise TypeError("to_torch_state_dict expects an optimizer state dict (a dict with 'state' and 'param_groups')")
+    order = [index for group in sd["param_groups"] for index in group["params"]]
+    if params is None:
+        by_index = {}
+    elif isinstance(params, dict):
+        by_index = dict(params)
+    else:
+        params = list(params)
+        if len(params) != len(order):
+            raise ValueError(f"params has {len(params)} entries but the state dict's param_groups list {len(order)} params")
+        by_index = dict(zip(order, params))
+    state = {}
+    for index, entry in sd["state"].items():
+        param = by_index.get(index)
+        if param is not None:
+            param = param.detach()
+            shape = next((v.shape for k, v in entry.items() if k != "step" and isinstance(v, torch.Tensor) and not k.endswith("_scales")), None)
+            if shape is not None and tuple(shape) != tuple(param.shape):
+                raise ValueError(f"param for state {index} has shape {tuple(param.shape)}, its state {tuple(shape)}: params are not in state-dict order")
+        kept = {k: v for k, v in entry.items() if not _compact.is_compact_key(k)}
+        state[index] = {**kept, **_compact.decode_state(entry, param)}
+    return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}

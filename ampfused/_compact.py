@@ -1,0 +1,450 @@
+r"""Compact optimizer state: the executable specification of every encoding (DESIGN §9).
+
+Pure PyTorch, element-wise and vectorized; ``csrc/compact_math.h`` and ``kernels/compact.py`` are
+the same functions for one element and are tested bitwise against this file. Integer work is done
+on the fp32 bit pattern ``u`` (as int64, so nothing overflows); ``RNE`` is round to nearest even.
+
+**split16** (bf16 params, 2 B/param): the fp32 master ``m`` is kept as the param ``p = RNE_bf16(m)``
+plus the low 16 bits of ``m`` (``master_low16``, int16). The param says whether rounding went up,
+except at an exact tie (low half ``0x8000``), where two masters share one param. [note: tie rule]
+There the stored master is nudged one fp32 ulp toward the param (low half ``0x7FFF`` when ``p``
+rounded down, ``0x8001`` when it rounded up), so ``p`` stays ``RNE(master)``::
+
+    split16(m): hi = RNE16(u); lo = u & 0xFFFF; at a tie lo = 0x7FFF if hi == u >> 16 else 0x8001
+    join16(p, lo) = ((p_bits - (lo > 0x8000)) << 16) | lo
+
+``join16(split16(m)) == m`` bitwise for every fp32 ``m`` but ties (moved by 1 fp32 ulp, 2^-24
+relative) and NaN (stays a NaN); masters whose param overflows to ``inf`` are kept exactly.
+
+**split8** (bf16 and fp16 params, 1 B/param; FlashOptim-style ULP-scaled correction): ``p =
+RNE(m)`` and the rounding error ``e = m - p`` (exact in fp32, ``|e| <= ulp(p)/2``) in int8 units of
+``ulp(p)/256`` (``master_residual8``)::
+
+    split8(m): q = clamp(RNE(e / (ulp(p)/256)), -127, 127)    (0 when e is not finite)
+    join8(p, q) = p + q * ulp(p)/256   (exact in fp32; p itself when q == 0, keeping -0/inf/NaN)
+
+``ulp(p) = 2^(E - mantissa_bits)`` with ``E`` the exponent of ``p`` (the smallest normal exponent
+for zeros and subnormals). Error bound: ``|join8(split8(m)) - m| <= ulp(p)/512`` whenever
+``|e| <= 255/512 ulp(p)`` and ``<= ulp(p)/256`` always (the clamp at ±127 keeps ``RNE(join8) ==
+p``), i.e. about 2^-16 (bf16) / 2^-19 (fp16) relative, 2^-15 / 2^-18 at worst. Masters whose param
+overflows (``|m| >= 65520`` for fp16) decode to the param's ``±inf``. [note: power-of-two residual]
+FlashOptim spreads 255 codes over ``[-ulp/2, ulp/2]`` (uniform ``ulp/508``, but a rounded decode);
+a power-of-two unit makes ``join8`` exact and idempotent (``split8(join8(p, q)) == (p, q)``), the
+same bits on every backend, at the price of the ``ulp/256`` band next to the clamp.
+
+**bf16 rounding** of moments (and of params without a master): ``RNE16(u) = (u + 0x7FFF + lsb) >> 16``
+(``Tensor.to(torch.bfloat16)``), or stochastically from 16 uniform random bits ``r``:
+``SR16(u, r) = (u + r) >> 16``, unbiased (``E[SR] = x``); it never rounds a finite value to
+``inf`` unless RNE does (it truncates to the largest finite bf16 instead), and NaN stays a quiet NaN.
+The bits come from ``torch.randint`` on the tensor's device (an explicit ``generator`` or torch's
+default one), so ``torch.manual_seed`` reproduces a run.
+
+**int8 moments** (``state_dtype="int8"``): blocks of ``BLOCK = 256`` consecutive elements (row-major
+order), an fp32 scale per block, and a float-like 8-bit code of ``y = x / scale`` -- a piecewise
+linear log compander (as A-law's segments): constant relative error over a wide range, linear near 0.
+
+- ``exp_avg``: scale = block ``max|m|``; int8 code ``±k``, ``k = 8f + t`` (4-bit exponent ``f``,
+  3-bit mantissa ``t``), ``|y| = (8 + t) 2^(f - 18)`` for ``f >= 1``, ``t 2^-17`` for ``f = 0``;
+  ``k = 120`` is 1. Per block: ``|m' - m| <= 2^-4 |m| + 2^-18 max|m|`` (plus fp32 rounding).
+- ``exp_avg_sq`` / ``max_exp_avg_sq``: companded by a square root first: scale = block
+  ``max sqrt(v)``; uint8 code ``k = 16f + t`` of ``sqrt(v) / scale``, ``(16 + t) 2^(f - 19)``
+  (``t 2^-18`` for ``f = 0``; ``k = 240`` is 1); ``v' = (code value * scale)^2``. Per block:
+  ``|sqrt(v') - sqrt(v)| <= 2^-5 sqrt(v) + 2^-19 max sqrt(v)``, i.e. ``v`` within about 2^-4 relative.
+
+[note: float-like grids] bitsandbytes' dynamic map reaches further (1e-7) but needs a 256-entry
+table and a search to encode; FlashOptim's grids (softsign of m, linear in sqrt(v), groups of 32) have
+an absolute resolution of about 1/254 of the block maximum, while Adam divides every element by its
+own ``sqrt(v)``, so small elements of a block matter as much as large ones. These grids keep a
+constant relative error over 2^14 and encode with integer operations only, exactly on every backend.
+Codes are RNE of ``y`` to the grid (ties to the even code). A block with a non-finite element
+decodes to NaN (its scale is not finite). Tensors under ``SMALL_TENSOR_NUMEL`` elements keep fp32
+moments (as bitsandbytes keeps small tensors in 32 bits): their scales would cost more than they save.
+
+**Compact state keys** (``opt.state[p]`` and ``state_dict()["state"][i]``):
+
+==========================  ==========================  =============================================
+key                         dtype, shape                when
+==========================  ==========================  =============================================
+``step``                    fp32, 0-d                   always (as torch)
+``master_param``            fp32, p's shape             ``master_weights="fp32"``, fp16/bf16 ``p``
+``master_low16``            int16, p's shape            ``"split16"``: low 16 bits of the master
+``master_residual8``        int8, p's shape             ``"split8"``: ``e`` in ``ulp(p)/256``
+``exp_avg`` (``_sq``,       fp32 or bf16, p's shape     ``state_dtype`` fp32 / bf16; fp32 for tensors
+``max_exp_avg_sq``)                                     under ``SMALL_TENSOR_NUMEL`` with ``"int8"``
+``exp_avg_codes``           int8, p's shape             ``"int8"`` (and ``exp_avg_scales``, fp32 [nb])
+``exp_avg_sq_codes``        uint8, p's shape            ``"int8"`` (and ``exp_avg_sq_scales``)
+``max_exp_avg_sq_codes``    uint8, p's shape            ``"int8"``, amsgrad (and ``..._scales``)
+==========================  ==========================  =============================================
+
+``nb = ceil(numel / BLOCK)``. No master key on a 16-bit param means ``master_weights=False``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "quantize",
+    "dequantize", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
+]
+
+BLOCK = 256
+SMALL_TENSOR_NUMEL = 4096
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MASTER_KEYS = {"fp32": "master_param", "split16": "master_low16", "split8": "master_residual8"}
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+_EXPONENT_BIAS = {torch.bfloat16: 127, torch.float16: 15}
+
+
+# ------------------------------------------------------------------ bit helpers
+
+def _bits(x: Tensor) -> Tensor:
+    """fp32 -> its bit pattern as a non-negative int64."""
+    return x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _from_bits(u: Tensor) -> Tensor:
+    u = u & 0xFFFFFFFF
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32).view(torch.float32)
+
+
+def _bits16(p: Tensor) -> Tensor:
+    return p.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _from_bits16(h: Tensor, dtype: torch.dtype) -> Tensor:
+    h = h & 0xFFFF
+    return torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(dtype)
+
+
+def _pow2(k: Tensor) -> Tensor:
+    """2^k as fp32 for integer ``k`` in [-126, 127], built from its bits (exact)."""
+    return _from_bits((k + 127) << 23)
+
+
+def _scale_pow2(x: Tensor, k: Tensor) -> Tensor:
+    """``x * 2^k`` in two exact-range factors (``k`` may be outside fp32's exponent range)."""
+    half = k >> 1  # floor(k / 2), as the native versions compute it
+    return x * _pow2(half) * _pow2(k - half)
+
+
+def _is_nan_bits(u: Tensor) -> Tensor:
+    return (u & 0x7FFFFFFF) > 0x7F800000
+
+
+def _rne16_bits(u: Tensor) -> Tensor:
+    """High half of RNE_bf16 of the fp32 bits ``u`` (NaN -> quiet NaN), as torch's ``.to(bfloat16)``."""
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return torch.where(_is_nan_bits(u), (u >> 16) | 0x40, rounded)
+
+
+# ------------------------------------------------------------------ split16
+
+def split16(master: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 master -> (bf16 param ``RNE(master)``, int16 low bits), with the tie rule."""
+    u = _bits(master)
+    hi = _rne16_bits(u)
+    lo = u & 0xFFFF
+    tie = (lo == 0x8000) & ~_is_nan_bits(u)
+    lo = torch.where(tie, torch.where(hi == (u >> 16), 0x7FFF, 0x8001), lo)
+    lo = torch.where(_is_nan_bits(u), 0, lo)
+    return _from_bits16(hi, torch.bfloat16).view(master.shape), _from_bits16(lo, torch.int16).view(master.shape)
+
+
+def join16(param: Tensor, low: Tensor) -> Tensor:
+    """(bf16 param, int16 low bits) -> fp32 master; ``join16(*split16(m)) == m`` but at ties and NaN."""
+    if param.dtype != torch.bfloat16:
+        raise TypeError(f"split16 masters need bf16 params, got {param.dtype}")
+    hi = _bits16(param)
+    lo = _bits16(low)
+    hi = torch.where(lo > 0x8000, hi - 1, hi)
+    return _from_bits((hi << 16) | lo).view(param.shape)
+
+
+# ------------------------------------------------------------------ split8
+
+def _ulp_exponent(p: Tensor) -> Tensor:
+    """``log2(ulp(p))`` of a bf16/fp16 tensor (int64); zeros and subnormals take the smallest normal ulp."""
+    mant, bias = _MANTISSA_BITS[p.dtype], _EXPONENT_BIAS[p.dtype]
+    field = (_bits16(p) >> mant) & (0xFF if p.dtype == torch.bfloat16 else 0x1F)
+    return torch.clamp(field, min=1) - bias - mant
+
+
+def split8(master: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """fp32 master -> (param ``RNE(master)`` of ``dtype``, int8 residual in units of ``ulp(p)/256``)."""
+    if dtype not in _MANTISSA_BITS:
+        raise TypeError(f"split8 masters need bf16 or fp16 params, got {dtype}")
+    master = master.to(torch.float32)
+    p = master.to(dtype)
+    err = master - p.float()  # exact: p is within half a 16-bit ulp of master
+    t = _scale_pow2(err, 8 - _ulp_exponent(p))
+    q = torch.where(torch.isfinite(t), torch.round(t).clamp(-127, 127), 0.0)
+    return p, q.to(torch.int8)
+
+
+def join8(param: Tensor, residual: Tensor) -> Tensor:
+    """(param, int8 residual) -> fp32 master ``p + q ulp(p)/256`` (exact)."""
+    if param.dtype not in _MANTISSA_BITS:
+        raise TypeError(f"split8 masters need bf16 or fp16 params, got {param.dtype}")
+    pf = param.float()
+    correction = _scale_pow2(residual.float(), _ulp_exponent(param) - 8)
+    return torch.where(residual == 0, pf, pf + correction)
+
+
+# ------------------------------------------------------------------ bf16 rounding
+
+def round_bf16(x: Tensor, stochastic: bool = False, generator: torch.Generator | None = None) -> Tensor:
+    """fp32 -> bf16, RNE or stochastic (16 random bits per element from ``generator`` or torch's default)."""
+    u = _bits(x)
+    if not stochastic:
+        return _from_bits16(_rne16_bits(u), torch.bfloat16).view(x.shape)
+    rand = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int64)
+    return _from_bits16(_sr16_bits(u, rand), torch.bfloat16).view(x.shape)
+
+
+def _sr16_bits(u: Tensor, rand: Tensor) -> Tensor:
+    rne = _rne16_bits(u)
+    sr = (u + rand) >> 16
+    overflow = ((sr & 0x7FFF) == 0x7F80) & ((rne & 0x7FFF) != 0x7F80)  # SR went to inf where RNE stays finite
+    sr = torch.where(overflow, u >> 16, sr)
+    return torch.where(_is_nan_bits(u), rne, sr)
+
+
+def stochastic_round_bf16(x: Tensor, rand: Tensor) -> Tensor:
+    """fp32 -> bf16 rounded with the given 16-bit random values (int, [0, 65535], ``x``'s shape)."""
+    return _from_bits16(_sr16_bits(_bits(x), rand.to(torch.int64).reshape(x.shape)), torch.bfloat16).view(x.shape)
+
+
+# ------------------------------------------------------------------ int8 blockwise moments
+
+# (mantissa bits, code of 1.0) of the two 8-bit grids: sign + E4M3 for exp_avg, E4M4 for sqrt(v)
+_GRIDS = {"signed": (3, 120), "sqrt": (4, 240)}
+
+
+def _encode_unit(y: Tensor, mant: int) -> Tensor:
+    """|y| in [0, 1] -> grid code k (int64): RNE of |y| to (2^mant + t) 2^(f - 15 - mant), or t 2^(-14 - mant) for f = 0."""
+    a = y.abs()
+    u = _bits(a)
+    drop = 23 - mant
+    normal = ((u + ((1 << (drop - 1)) - 1) + ((u >> drop) & 1)) >> drop) - ((127 - 15) << mant)
+    sub = torch.round(a * float(2 ** (14 + mant))).to(torch.int64)
+    return torch.where(a >= 2.0 ** -14, normal, sub)
+
+
+def _decode_unit(k: Tensor, mant: int) -> Tensor:
+    f = k >> mant
+    t = k & ((1 << mant) - 1)
+    normal = _from_bits(((f + 112) << 23) | (t << (23 - mant)))
+    return torch.where(f == 0, t.float() * 2.0 ** (-14 - mant), normal)
+
+
+def _blocks(x: Tensor) -> Tensor:
+    flat = x.reshape(-1).to(torch.float32)
+    pad = (-flat.numel()) % BLOCK
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK), pad
+
+
+def quantize(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """fp32 moment -> (codes of ``x``'s shape, fp32 per-block scales); ``kind`` "signed" (exp_avg)
+    or "sqrt" (exp_avg_sq, max_exp_avg_sq; ``x >= 0``)."""
+    mant, one = _GRIDS[kind]
+    blocks, _ = _blocks(x)
+    if kind == "sqrt":
+        blocks = blocks.sqrt()
+    scales = blocks.abs().amax(dim=1)
+    y = blocks / scales[:, None]
+    k = torch.where(torch.isfinite(y), _encode_unit(y, mant), 0).clamp(max=one)
+    codes = k.reshape(-1)[: x.numel()]
+    if kind == "signed":
+        codes = torch.where(y.reshape(-1)[: x.numel()] < 0, -codes, codes)
+    return codes.to(torch.int8 if kind == "signed" else torch.uint8).view(x.shape), scales
+
+
+def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
+    """(codes, scales) -> fp32 moment of ``codes``' shape (see the module docstring for the maps)."""
+    mant, _ = _GRIDS[kind]
+    k = codes.to(torch.int64).reshape(-1)
+    value = _decode_unit(k.abs(), mant)
+    if kind == "signed":
+        value = torch.where(k < 0, -value, value)
+    blocks, _ = _blocks(value)
+    out = (blocks * scales[:, None]).reshape(-1)
+    if kind == "sqrt":
+        out = out * out
+    return out[: codes.numel()].view(codes.shape)
+
+
+# ------------------------------------------------------------------ per-tensor state
+
+def is_compact_key(key: str) -> bool:
+    """Whether a state key exists only in compact state (torch and ampfused's fp32 mode never write it)."""
+    return key in ("master_low16", "master_residual8") or key.endswith(("_codes", "_scales"))
+
+
+def _master_mode(param: Tensor, state: dict) -> str:
+    for mode, key in MASTER_KEYS.items():
+        if key in state:
+            return mode
+    return "none" if param.dtype in _MANTISSA_BITS else "fp32"
+
+
+def _check_modes(param: Tensor, master_weights: str, state_dtype) -> None:
+    if master_weights not in ("fp32", "split16", "split8", "none"):
+        raise ValueError(f'master_weights must be "fp32", "split16", "split8" or "none", got {master_weights!r}')
+    if state_dtype not in (torch.float32, torch.bfloat16, "int8"):
+        raise ValueError(f'state_dtype must be torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
+    if master_weights == "split16" and param.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f'master_weights="split16" needs bf16 params (the low half completes a bf16 param), got {param.dtype}')
+
+
+def _encode_moment(state: dict, key: str, value: Tensor, state_dtype, stochastic: bool, generator) -> None:
+    """Store the fp32 moment ``value`` under ``key`` in the encoding ``state_dtype`` asks for."""
+    if state_dtype == "int8" and value.numel() >= SMALL_TENSOR_NUMEL:
+        state[key + "_codes"], state[key + "_scales"] = quantize(value, "signed" if key == "exp_avg" else "sqrt")
+    elif state_dtype == torch.bfloat16:
+        state[key] = round_bf16(value, stochastic, generator)
+    else:
+        state[key] = value.to(torch.float32).clone()
+
+
+def _decode_moment(state: dict, key: str) -> Tensor | None:
+    if key + "_codes" in state:
+        return dequantize(state[key + "_codes"], state[key + "_scales"], "signed" if key == "exp_avg" else "sqrt")
+    return state[key].float() if key in state else None
+
+
+def _encode_master(state: dict, param: Tensor, master: Tensor, mode: str) -> Tensor:
+    """Store ``master`` in ``mode``; returns the param value that goes with it."""
+    if mode == "split16":
+        p, state["master_low16"] = split16(master)
+    elif mode == "split8":
+        p, state["master_residual8"] = split8(master, param.dtype)
+    else:
+        p = master.to(param.dtype)
+        if mode == "fp32":
+            state["master_param"] = master.clone()
+    return p
+
+
+def _decode_master(state: dict, param: Tensor) -> Tensor:
+    mode = _master_mode(param, state)
+    if mode == "split16":
+        return join16(param, state["master_low16"])
+    if mode == "split8":
+        return join8(param, state["master_residual8"])
+    if mode == "fp32" and "master_param" in state:
+        return state["master_param"].float()
+    return param.float()
+
+
+def init_state(param: Tensor, master_weights: str = "fp32", state_dtype=torch.float32, amsgrad: bool = False) -> dict:
+    """Fresh compact state of ``param`` (zero moments; master from the param, as ampfused's fp32 mode)."""
+    zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    fp32_state = {"step": torch.zeros((), dtype=torch.float32, device=param.device), "exp_avg": zeros, "exp_avg_sq": zeros}
+    if amsgrad:
+        fp32_state["max_exp_avg_sq"] = zeros
+    return encode_state(param, fp32_state, master_weights, state_dtype)
+
+
+@torch.no_grad()
+def encode_state(param: Tensor, fp32_state: dict, master_weights: str = "fp32", state_dtype=torch.float32) -> dict:
+    """A torch-format state (fp32 ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``/``step``, optional fp32
+    ``master_param``) -> the compact state of the given modes. ``master_weights`` applies to fp16/bf16
+    params only. In the split modes the param is set to ``RNE(master)`` in place (a no-op for
+    ampfused's fp32 mode, which keeps that invariant; a torch state has no master: ``param.float()``)."""
+    _check_modes(param, master_weights, state_dtype)
+    state = {"step": fp32_state["step"].detach().to(device=param.device, dtype=torch.float32).clone()}
+    for key in MOMENTS:
+        if key in fp32_state:
+            _encode_moment(state, key, fp32_state[key].detach().float().to(param.device), state_dtype, False, None)
+    if param.dtype in _MANTISSA_BITS:
+        master = fp32_state.get("master_param")
+        master = param.float() if master is None else master.detach().float().to(param.device)
+        p = _encode_master(state, param, master, master_weights)
+        if master_weights in ("split16", "split8"):
+            param.copy_(p)
+    return state
+
+
+def decode_state(state: dict, param: Tensor | None = None) -> dict:
+    """Compact state -> torch-format fp32 state (``step``, moments; ``master_param`` too when ``param``
+    is a 16-bit param with a master), as ``torch.optim.AdamW`` and ampfused's fp32 mode load it."""
+    out = {"step": state["step"]}
+    for key in MOMENTS:
+        value = _decode_moment(state, key)
+        if value is not None:
+            out[key] = value
+    if param is not None and param.dtype in _MANTISSA_BITS and _master_mode(param, state) != "none":
+        out["master_param"] = _decode_master(state, param.detach())
+    return out
+
+
+# ------------------------------------------------------------------ the step
+
+@torch.no_grad()
+def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, amsgrad: bool = False, maximize: bool = False, factor: Tensor | None = None,
+                        skip: Tensor | None = None, stochastic_rounding: bool = False,
+                        generator: torch.Generator | None = None) -> None:
+    """One AdamW step of one tensor on compact state: decode -> fp32 AdamW -> encode.
+
+    The fp32 math is ``ampfused.reference``'s (torch.optim.AdamW's single-tensor order), so with
+    ``split16`` masters and fp32 moments the result is the fp32-master step bit for bit (but for the
+    tie rule). ``factor`` (0-d fp32: clip coefficient / loss scale) multiplies the grad; when the
+    0-d ``skip`` is non-zero every buffer (param, master, moments, scales, step) keeps its bits.
+    Modes are read from the state's keys (see the module docstring). ``stochastic_rounding`` rounds
+    the bf16 writes without an exact master (bf16 moments, a bf16 param without master) with random
+    bits drawn in this order: exp_avg, exp_avg_sq, max_exp_avg_sq, param.
+    """
+    keep = torch.zeros((), dtype=torch.bool, device=param.device) if skip is None else (skip != 0)
+    mode = _master_mode(param, state)
+    w = _decode_master(state, param)
+    exp_avg, exp_avg_sq = _decode_moment(state, "exp_avg"), _decode_moment(state, "exp_avg_sq")
+    max_exp_avg_sq = _decode_moment(state, "max_exp_avg_sq") if amsgrad else None
+    if amsgrad and max_exp_avg_sq is None:
+        raise ValueError("amsgrad is set but the state has no max_exp_avg_sq")
+    g = grad.to(torch.float32)
+    if factor is not None:
+        g = g * factor
+    if maximize:
+        g = g.neg()
+    if isinstance(lr, Tensor):
+        lr = lr.to(device=param.device, dtype=torch.float64, non_blocking=True)
+
+    step = state["step"]
+    step_new = step + 1
+    bias_correction1 = 1 - torch.pow(beta1, step_new.double())
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step_new.double())).sqrt()
+    step_size = lr / bias_correction1
+    w_new = w * (1 - lr * weight_decay)
+    m_new = exp_avg.lerp(g, 1 - beta1)
+    v_new = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
+    if amsgrad:
+        v_max_new = torch.maximum(max_exp_avg_sq, v_new)
+        denom = (v_max_new.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (v_new.sqrt() / bias_correction2_sqrt).add_(eps)
+    w_new.add_(m_new.mul(-step_size).div_(denom))
+
+    # Encode into a scratch dict, then commit every buffer with where(skip, old, new).
+    state_dtype = _state_dtype_of(state)
+    new = {"step": step_new}
+    _encode_moment(new, "exp_avg", m_new, state_dtype, stochastic_rounding, generator)
+    _encode_moment(new, "exp_avg_sq", v_new, state_dtype, stochastic_rounding, generator)
+    if amsgrad:
+        _encode_moment(new, "max_exp_avg_sq", v_max_new, state_dtype, stochastic_rounding, generator)
+    if param.dtype == torch.float32:
+        p_new = w_new
+    elif mode == "none" and param.dtype == torch.bfloat16:
+        p_new = round_bf16(w_new, stochastic_rounding, generator)
+    else:
+        p_new = _encode_master(new, param, w_new, mode)
+    for key, value in new.items():
+        state[key].copy_(torch.where(keep, state[key], value))
+    param.copy_(torch.where(keep, param, p_new))
+
+
+def _state_dtype_of(state: dict):
+    if "exp_avg_codes" in state:
+        return "int8"
+    return torch.bfloat16 if state["exp_avg"].dtype == torch.bfloat16 else torch.float32
