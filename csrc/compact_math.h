@@ -1,8 +1,8 @@
 // The element-wise encodings of compact optimizer state, shared by the CPU and the CUDA kernels.
 //
 // ampfused/_compact.py is the specification: every function here is its counterpart for one
-// element and is tested bitwise against it (tests/test_compact_native.py, through
-// tests/compact_shim.cpp). The encodings, with u the fp32 bit pattern and RNE round-to-nearest-even:
+// element and is tested bitwise against it (tests/compact/test_compact_native.py, through
+// tests/compact/compact_shim.cpp). The encodings, with u the fp32 bit pattern and RNE round-to-nearest-even:
 //
 //   split16 (bf16 params)   p = RNE16(u), low = u & 0xFFFF; at a tie (low 0x8000) low becomes 0x7FFF
 //                           when p rounded down, 0x8001 when it rounded up (one fp32 ulp toward p,

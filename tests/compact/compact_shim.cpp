@@ -1,4 +1,4 @@
-// A C ABI over csrc/compact_math.h for tests/test_compact_native.py: each function applies one
+// A C ABI over csrc/compact_math.h for tests/compact/test_compact_native.py: each function applies one
 // element-wise encoding to arrays (ctypes passes numpy buffers). No torch, no production code.
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 """csrc/compact_math.h and ampfused/kernels/compact.py against the specification ampfused/_compact.py, bitwise.
 
-The C++ header is compiled into a tiny C ABI shim (tests/compact_shim.cpp, no torch, not the
+The C++ header is compiled into a tiny C ABI shim (tests/compact/compact_shim.cpp, no torch, not the
 production extension) and called through ctypes; the Triton functions run in small test kernels
 (through the interpreter on a CPU machine). Every comparison is on bit patterns; NaN only has to
 stay NaN.
@@ -63,7 +63,7 @@ SHIM_FLAGS = {"O2-nocontract": ["-O2", "-ffp-contract=off"], "O3-native-contract
 def shim(request, tmp_path_factory):
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
-        pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build tests/compact_shim.cpp")
+        pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build tests/compact/compact_shim.cpp")
     lib = tmp_path_factory.mktemp("compact_shim") / "libcompact_shim.so"
     cmd = [cxx, *SHIM_FLAGS[request.param], "-std=c++17", "-shared", "-fPIC", f"-I{ROOT / 'csrc'}",
            str(ROOT / "tests" / "compact" / "compact_shim.cpp"), "-o", str(lib)]
