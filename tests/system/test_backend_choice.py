@@ -1,10 +1,18 @@
-"""A CUDA optimizer that falls back to the slow `reference` backend says so once per process, naming the fix
-(resolving a backend for a CUDA device needs no GPU: only the probes' answers matter)."""
+"""Choosing a backend: bad names list the valid ones, an unavailable one says why, AMPFUSED_BACKEND
+forces one, and a CUDA optimizer that falls back to the slow `reference` backend says so once per
+process, naming the fix (resolving a backend for a CUDA device needs no GPU: only the probes' answers
+matter)."""
 import warnings
 
+import pytest
 import torch
 
+import ampfused
 from ampfused import _backends
+
+
+def param(*shape):
+    return torch.nn.Parameter(torch.randn(*shape))
 
 
 def fake_probes(monkeypatch, **reasons):
@@ -69,3 +77,26 @@ def test_install_hints_are_quoted_and_numpy_is_named(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_triton)
     module, reason = _backends._probe_triton()
     assert module is None and reason.endswith('`pip install "triton>=3.6"`')
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(ValueError, match="'reference'"):
+        ampfused.FusedAmpAdamW([param(3)], backend="tpu")
+
+
+def test_unavailable_backend_says_why(monkeypatch):
+    monkeypatch.setitem(_backends._probed, "cuda", (None, "no CUDA device in this test"))
+    opt = ampfused.FusedAmpAdamW([param(3)], backend="cuda")
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="no CUDA device in this test"):
+        opt.step()
+
+
+def test_environment_variable_forces_a_backend(monkeypatch):
+    monkeypatch.setenv("AMPFUSED_BACKEND", "reference")
+    p = param(3)
+    opt = ampfused.FusedAmpAdamW([p])
+    assert opt.backend == "reference" and "requested" in opt.backend_reason
+    monkeypatch.setenv("AMPFUSED_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        ampfused.FusedAmpAdamW([p]).backend
