@@ -120,6 +120,15 @@ def test_extension_reports_itself():
         assert why  # a reason is always given
 
 
+def test_extension_registers_no_test_only_op():
+    """ampfused._C holds the production ops only: what only tests call is built on demand from
+    csrc/testing/ (tests/testing_extension.py, torch.ops.ampfused_testing)."""
+    _compiled.load()
+    names = {s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("ampfused::")}
+    hooks = {"_hook_accumulation", "_unhook_accumulation"}  # ampfused/_main_grad.py's CPU accumulation hook
+    assert names == {f"ampfused::{op}" for op in (*_compiled.OPS, *hooks)}
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_of_both_passes():
     """Stats + update replayed from a CUDA graph equal eager reference steps (no host sync inside)."""
