@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "contract.h"  // the stats slots and kClipEps
+
 #if defined(__CUDACC__)
 #define AMPFUSED_HD __host__ __device__ __forceinline__
 #else
@@ -159,10 +161,6 @@ AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vma
 
 // ------------------------------------------------------------------ the finish of the stats pass
 
-// Slots of the stats vector (as ampfused/functional.py: NORM, SKIP, FACTOR, SUMSQ).
-constexpr int kStatsNorm = 0, kStatsSkip = 1, kStatsFactor = 2, kStatsSumsq = 3, kStatsSize = 4;
-constexpr float kClipEps = 1e-6f;  // torch.nn.utils.clip_grad_norm_'s epsilon
-
 // 1 / scale exactly as torch.amp.GradScaler computes it (in double, rounded to float); 1 without a scale.
 AMPFUSED_HD float inv_scale_of(const float* grad_scale) {
   return grad_scale == nullptr ? 1.0f : static_cast<float>(1.0 / static_cast<double>(*grad_scale));
@@ -170,7 +168,7 @@ AMPFUSED_HD float inv_scale_of(const float* grad_scale) {
 
 // [note: skip only on elements] `bad` says whether any unscaled element was inf/NaN; a finite sum
 // that overflowed is not one: its norm is inf and, with clipping, the coefficient 0 (as torch).
-// Writes stats[0..3]; reference.finish_ is the specification.
+// Writes every slot of the stats vector (contract.h); reference.finish_ is the specification.
 // check_nonfinite = false (skip_nonfinite=False without a scaler): only found_inf skips.
 AMPFUSED_HD void finish_stats(float sumsq, bool bad, const float* found_inf, float inv_scale, bool clip, float max_norm,
                               float* stats, bool check_nonfinite = true) {

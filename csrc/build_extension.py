@@ -38,6 +38,16 @@ CPU_SOURCES = [
     "cpu/kernels_avx512.cpp",
 ]
 CUDA_SOURCES = ["cuda/ops_cuda.cpp", "cuda/passes.cu"]
+# The test-only extension (tests/testing_extension.py builds it on demand; never installed).
+TESTING_SOURCES = [
+    "testing/testing_ops.cpp",
+    "testing/division_base.cpp",
+    "testing/division_avx2.cpp",
+    "testing/division_avx512.cpp",
+]
+# [note: no -std] torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
+# -ffp-contract=off: no multiply-add fused that torch does not fuse (csrc/adamw_math.h).
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 HOW_TO = "for the compiled kernels run `pip install --no-build-isolation .` in an environment that has torch"
 
@@ -167,8 +177,7 @@ def extension_kwargs() -> dict:
     from torch.utils import cpp_extension
 
     sources = [_source(s) for s in CPU_SOURCES]
-    # [note: no -std] torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
-    cxx = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+    cxx = list(CXX_FLAGS)
     openmp_cxx, openmp_link = openmp_flags(torch)
     cxx += openmp_cxx
     kwargs = dict(name="ampfused._C", include_dirs=[CSRC], extra_compile_args={"cxx": cxx}, extra_link_args=openmp_link)
@@ -192,3 +201,18 @@ def extension_kwargs() -> dict:
         say("ninja not found: compiling one file at a time (`pip install ninja` for parallel builds; MAX_JOBS sets the jobs)")
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=ninja)
     return {"ext_modules": [extension], "cmdclass": {"build_ext": build_ext}}
+
+
+def testing_load_kwargs(torch) -> dict:
+    """Arguments of ``torch.utils.cpp_extension.load`` for the test-only extension (csrc/testing/):
+    CPU only, compiled and linked as ``_C``'s CPU files are, so a test of its OpenMP threads or its
+    per-ISA arithmetic speaks for ``_C``. Its ops register as ``torch.ops.ampfused_testing.*``."""
+    openmp_cxx, openmp_link = openmp_flags(torch)
+    return dict(
+        name="ampfused_testing",
+        sources=[os.path.join(CSRC, s) for s in TESTING_SOURCES],
+        extra_cflags=CXX_FLAGS + openmp_cxx,
+        extra_ldflags=openmp_link,
+        extra_include_paths=[CSRC],
+        is_python_module=False,
+    )

@@ -13,19 +13,18 @@
 #include <cuda_fp16.h>
 #endif
 
-#include "adamw_math.h"
+#include "adamw_math.h"  // AMPFUSED_HD
+#include "contract.h"    // the dtype codes kF32, kF16, kBF16
 
 namespace ampfused {
-
-enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 struct Half { uint16_t x; };
 struct BFloat16 { uint16_t x; };
 
 template <typename T> struct DTypeOf;
-template <> struct DTypeOf<float> { static constexpr DType value = kF32; };
-template <> struct DTypeOf<Half> { static constexpr DType value = kF16; };
-template <> struct DTypeOf<BFloat16> { static constexpr DType value = kBF16; };
+template <> struct DTypeOf<float> { static constexpr int32_t value = kF32; };
+template <> struct DTypeOf<Half> { static constexpr int32_t value = kF16; };
+template <> struct DTypeOf<BFloat16> { static constexpr int32_t value = kBF16; };
 
 AMPFUSED_HD float bits_to_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)

@@ -16,10 +16,9 @@
 // has no AMSGrad buffer / no master copy: torch's auto-functionalization (torch.compile) fails on
 // `Tensor(a!)?[]` lists holding None (torch 2.13).
 //
-// [note: scratch] `scratch` is the caller's launch scratch (uint8, kScratchBytes, zero between launches):
-// the tickets and partials of the last-block logic. FusedAmpAdamW passes one per optimizer, so two
-// optimizers on two streams, or two replayed CUDA graphs, never share a counter; without it each
-// launch gets a fresh zeroed one. The CPU kernels need none and ignore it.
+// `scratch` is the caller's launch scratch ([note: scratch] in contract.h): FusedAmpAdamW passes one
+// per optimizer; without it each CUDA launch gets a fresh zeroed one. The CPU kernels ignore it.
+// `flags` are contract.h's group flags; the stats vector has its slots.
 //
 // adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7);
 // grad_stats with check_nonfinite=false lets only found_inf skip (skip_nonfinite=False).

@@ -8,9 +8,9 @@ namespace ampfused {
 
 int32_t dtype_code(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    case at::kBFloat16: return 2;
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     default: TORCH_CHECK(false, "ampfused: ", what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
   }
 }
@@ -42,6 +42,13 @@ void check_scalar(const at::Tensor& t, const at::Device& device, const char* wha
   TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the tensors are on ", device);
 }
 
+// adamw_update's optional grad_scale (checked: one fp32 element on device), or nullptr.
+const float* grad_scale_ptr(const std::optional<at::Tensor>& grad_scale, const at::Device& device) {
+  if (!grad_scale.has_value()) return nullptr;
+  check_scalar(*grad_scale, device, "grad_scale");
+  return grad_scale->data_ptr<float>();
+}
+
 void check_stats_vector(const at::Tensor& stats, const at::Device& device) {
   TORCH_CHECK(stats.defined() && stats.numel() == kStatsSize && stats.scalar_type() == at::kFloat && stats.is_contiguous(),
               "ampfused: stats must be a contiguous float32 tensor of ", kStatsSize, " elements");
@@ -54,17 +61,22 @@ void check_one(const at::Tensor& t, at::ScalarType dtype, const at::Device& devi
   TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the scale on ", device);
 }
 
+void check_dense(const at::Tensor& t, const char* what, size_t i) {
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "ampfused: ", what, "[", i, "] must be dense (no gaps, no overlap)");
+}
+
 // An empty (or undefined) tensor stands for None in max_exp_avg_sqs / masters.
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 }  // namespace
 
-UpdateArgs collect_update(
+UpdateCall collect_update(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-    at::TensorList max_exp_avg_sqs, at::TensorList steps,
-    at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
-    const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
-    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats) {
+    at::TensorList max_exp_avg_sqs, at::TensorList steps, at::TensorList masters, at::IntArrayRef groups,
+    at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
+    at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
+    const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
+    c10::DeviceType device_type) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -75,27 +87,36 @@ UpdateArgs collect_update(
                   weight_decays.size() == g && flags.size() == g,
               "ampfused::adamw_update: the per-group lists (lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags) "
               "must have equal lengths");
-  UpdateArgs out;
+  UpdateCall out{{}, {}, {}, n > 0 ? params[0].device() : at::Device(device_type), stats, scratch, nullptr};
   out.groups.reserve(g);
+  out.lr_tensors.resize(g);
   for (size_t j = 0; j < g; ++j) {
+    UpdateGroup group{lrs[j], nullptr, kLrValue, static_cast<int32_t>(flags[j] & (kFlagAmsgrad | kFlagMaximize)),
+                      beta1s[j], beta2s[j], epss[j], weight_decays[j]};
     std::optional<at::Tensor> lr_t = lr_tensors.get(j);
     if (lr_t.has_value()) {
       TORCH_CHECK(lr_t->numel() == 1, "ampfused: a tensor lr must have one element");
       TORCH_CHECK(lr_t->is_floating_point(), "ampfused: a tensor lr must be floating point");
+      if (lr_t->is_cpu()) {
+        group.lr = lr_t->item<double>();  // no device sync
+      } else {
+        out.lr_tensors[j] = *lr_t;  // the backend reads it (on the device, or with a sync)
+      }
     }
-    out.groups.push_back(UpdateGroup{lrs[j], lr_t, beta1s[j], beta2s[j], epss[j], weight_decays[j],
-                                     (flags[j] & kFlagAmsgrad) != 0, (flags[j] & kFlagMaximize) != 0});
+    out.groups.push_back(group);
   }
   if (n == 0) return out;
-  const at::Device device = params[0].device();
+  const at::Device device = out.device;
+  TORCH_CHECK(device.type() == device_type, "ampfused::adamw_update (", c10::DeviceTypeName(device_type),
+              ") got tensors on ", device);
   check_stats_vector(stats, device);
   out.tensors.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.defined() && p.device() == device, "ampfused: params[", i, "] is on ", p.device(), ", params[0] on ", device);
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), "ampfused: params[", i, "] must be dense (no gaps, no overlap)");
+    check_dense(p, "params", i);
     TORCH_CHECK(groups[i] >= 0 && static_cast<size_t>(groups[i]) < g, "ampfused: groups[", i, "] = ", groups[i], " is not a group index");
-    const UpdateGroup& group = out.groups[groups[i]];
+    const bool amsgrad = (out.groups[groups[i]].flags & kFlagAmsgrad) != 0;
     check_like(grads[i], p, "grads", i);
     check_fp32_like(exp_avgs[i], p, "exp_avgs", i);
     check_fp32_like(exp_avg_sqs[i], p, "exp_avg_sqs", i);
@@ -104,7 +125,7 @@ UpdateArgs collect_update(
     t.grad = grads[i].data_ptr();
     t.exp_avg = exp_avgs[i].data_ptr<float>();
     t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
-    if (group.amsgrad) {
+    if (amsgrad) {
       const at::Tensor& vmax = max_exp_avg_sqs[i];
       TORCH_CHECK(present(vmax) || p.numel() == 0, "ampfused: max_exp_avg_sqs[", i, "] is empty (None) but its group uses amsgrad");
       if (p.numel() > 0) {
@@ -125,15 +146,13 @@ UpdateArgs collect_update(
     t.param_dtype = dtype_code(p, "params");
     t.grad_dtype = dtype_code(grads[i], "grads");
     t.group = static_cast<int32_t>(groups[i]);
+    t.aligned = aligned4(t.param, element_size(t.param_dtype)) && aligned4(t.grad, element_size(t.grad_dtype)) &&
+                aligned4(t.exp_avg, 4) && aligned4(t.exp_avg_sq, 4) && aligned4(t.max_exp_avg_sq, 4) &&
+                aligned4(t.master, 4);
     out.tensors.push_back(t);
   }
+  out.grad_scale = grad_scale_ptr(grad_scale, device);
   return out;
-}
-
-const float* grad_scale_ptr(const std::optional<at::Tensor>& grad_scale, const at::Device& device) {
-  if (!grad_scale.has_value()) return nullptr;
-  check_scalar(*grad_scale, device, "grad_scale");
-  return grad_scale->data_ptr<float>();
 }
 
 void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
@@ -144,7 +163,7 @@ void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_sca
   if (found_inf.has_value()) check_scalar(*found_inf, device, "found_inf");
   for (size_t i = 0; i < grads.size(); ++i) {
     TORCH_CHECK(grads[i].device() == device, "ampfused: grads[", i, "] is on ", grads[i].device(), " but stats on ", device);
-    TORCH_CHECK(grads[i].is_non_overlapping_and_dense(), "ampfused: grads[", i, "] must be dense (no gaps, no overlap)");
+    check_dense(grads[i], "grads", i);
     dtype_code(grads[i], "grads");
   }
 }

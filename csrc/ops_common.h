@@ -1,60 +1,62 @@
 // Argument checking shared by the CPU and CUDA op implementations: turns the op's tensor lists
-// into plain pointer records, after checking every tensor, before anything is written.
+// into the plain records of contract.h, after checking every tensor, before anything is written.
 #pragma once
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 
 #include <optional>
 #include <vector>
+
+#include "contract.h"
 
 namespace ampfused {
 
 struct ScalerRules;  // adamw_math.h
 
-// Flags of a param group in the op's `flags` list.
-constexpr int64_t kFlagAmsgrad = 1;
-constexpr int64_t kFlagMaximize = 2;
-
-// dtype code of dtypes.h (kF32/kF16/kBF16); fails with a clear message otherwise.
+// dtype code of contract.h (kF32/kF16/kBF16); fails with a clear message otherwise.
 int32_t dtype_code(const at::Tensor& t, const char* what);
 
-struct UpdateTensor {
-  void* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // nullptr without AMSGrad
-  float* master;          // nullptr without a master copy
-  float* step;
-  int64_t numel;
-  int32_t param_dtype;
-  int32_t grad_dtype;
-  int32_t group;
-};
-
-struct UpdateGroup {
-  double lr;                           // used when lr_tensor is empty
-  std::optional<at::Tensor> lr_tensor;  // a 0-d tensor lr (any device), read at kernel time
-  double beta1, beta2, eps, weight_decay;
-  bool amsgrad, maximize;
-};
-
-struct UpdateArgs {
+// One adamw_update call, checked (every tensor, before anything is written) and turned into the
+// records of contract.h. The group records are built here, once for every backend; a backend only
+// resolves the lrs given as tensors off the CPU (lr_tensors).
+struct UpdateCall {
   std::vector<UpdateTensor> tensors;
-  std::vector<UpdateGroup> groups;
+  std::vector<UpdateGroup> groups;     // lr: the float, or the value of a CPU tensor lr
+  std::vector<at::Tensor> lr_tensors;  // per group: a tensor lr not on the CPU, else undefined
+  at::Device device;                   // of every tensor
+  at::Tensor stats;
+  std::optional<at::Tensor> scratch;
+  const float* grad_scale;             // nullptr, or the checked one-element loss scale
 };
 
-// max_exp_avg_sqs / masters: an empty tensor where a param has none (see ops.cpp).
-UpdateArgs collect_update(
+// The checks and records of an adamw_update call whose tensors must be on `device_type`.
+// max_exp_avg_sqs / masters: an empty tensor where a param has none ([note: no optional mutable
+// lists] in ops.cpp).
+UpdateCall collect_update(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-    at::TensorList max_exp_avg_sqs, at::TensorList steps,
-    at::TensorList masters, at::IntArrayRef groups, at::ArrayRef<double> lrs,
-    const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s,
-    at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats);
+    at::TensorList max_exp_avg_sqs, at::TensorList steps, at::TensorList masters, at::IntArrayRef groups,
+    at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
+    at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
+    const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
+    c10::DeviceType device_type);
 
-// adamw_update's optional grad_scale (checked: one fp32 element on device), or nullptr.
-const float* grad_scale_ptr(const std::optional<at::Tensor>& grad_scale, const at::Device& device);
+// adamw_update as registered for one device type (the schema is in ops.cpp): the arguments are
+// collected by the one path above, and `Run` gets the call when it has a tensor.
+template <c10::DeviceType kDevice, void (*Run)(const UpdateCall&)>
+void adamw_update_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList max_exp_avg_sqs, at::TensorList steps, at::TensorList masters,
+                     at::IntArrayRef groups, at::ArrayRef<double> lrs,
+                     const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
+                     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays,
+                     at::IntArrayRef flags, const at::Tensor& stats, const std::optional<at::Tensor>& scratch,
+                     const std::optional<at::Tensor>& grad_scale) {
+  const UpdateCall call = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups,
+                                         lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats, scratch,
+                                         grad_scale, kDevice);
+  if (!call.tensors.empty()) Run(call);
+}
 
 // Checks for grad_stats; returns nothing, throws on bad input.
 void check_stats(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,

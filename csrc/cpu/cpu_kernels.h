@@ -11,20 +11,14 @@
 
 #include <cstdint>
 
+#include "../contract.h"
+
 namespace ampfused {
 struct AdamWScalars;
 namespace cpu {
 
-// One contiguous element range [begin, end) of one tensor for the update pass.
-struct UpdateRange {
-  void* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // nullptr: no AMSGrad
-  float* master;          // nullptr: the param is its own master
-  int32_t param_dtype;
-  int32_t grad_dtype;
+// One contiguous element range [begin, end) of one tensor (contract.h's record) for the update pass.
+struct UpdateRange : UpdateTensor {
   const AdamWScalars* scalars;
   float factor;           // clip coefficient / loss scale, negated for maximize
   void* grad_out;         // nullptr, or grad: the unscaled gradient g * unscale is written back (DESIGN §2.7)
@@ -46,7 +40,6 @@ struct IsaKernels {
   // and whether any float(g[i]) * inv_scale was inf/NaN
   SumSq (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
   void (*update)(const UpdateRange& range);
-  int64_t (*division_mismatches)(float c, int32_t exponent);  // test-only (kernels_impl.h)
 };
 
 // nullptr where the variant was not compiled in (non-x86 or non-GCC-compatible compiler)

@@ -1,7 +1,8 @@
 // AVX2 + FMA + F16C build of the CPU hot loops (kernels_isa.h is the template).
+#include "isa_targets.h"
 #define AMPFUSED_ISA isa_avx2
 #define AMPFUSED_ISA_NAME "avx2"
 #define AMPFUSED_ISA_GETTER kernels_avx2
-#define AMPFUSED_GCC_TARGET "avx2,fma,f16c"
-#define AMPFUSED_CLANG_TARGET "avx2,fma,f16c"
+#define AMPFUSED_GCC_TARGET AMPFUSED_AVX2_GCC_TARGET
+#define AMPFUSED_CLANG_TARGET AMPFUSED_AVX2_CLANG_TARGET
 #include "kernels_isa.h"

@@ -1,7 +1,8 @@
 // AVX-512 (F, BW, VL, DQ) build of the CPU hot loops (kernels_isa.h is the template).
+#include "isa_targets.h"
 #define AMPFUSED_ISA isa_avx512
 #define AMPFUSED_ISA_NAME "avx512"
 #define AMPFUSED_ISA_GETTER kernels_avx512
-#define AMPFUSED_GCC_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"
-#define AMPFUSED_CLANG_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define AMPFUSED_GCC_TARGET AMPFUSED_AVX512_GCC_TARGET
+#define AMPFUSED_CLANG_TARGET AMPFUSED_AVX512_CLANG_TARGET
 #include "kernels_isa.h"

@@ -9,8 +9,7 @@
 namespace ampfused {
 namespace cpu {
 const IsaKernels* kernels_base() {
-  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update,
-                              isa_base::division_mismatches};
+  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update};
   return &k;
 }
 }  // namespace cpu

@@ -258,26 +258,6 @@ void update(const UpdateRange& r) {
   }
 }
 
-// Test-only: of every fp32 a = 2^exponent * (1 + m/2^23), how many a / c the update's division by
-// its per-tensor constant gets wrong (see [note: division by a constant]; 0 with a plain division).
-int64_t division_mismatches(float c, int32_t exponent) {
-  const float y = 1.0f / c;
-  int64_t bad = 0;
-  for (uint32_t m = 0; m < (1u << 23); ++m) {
-    const uint32_t bits = (static_cast<uint32_t>(exponent + 127) << 23) | m;
-    float a;
-    std::memcpy(&a, &bits, sizeof a);
-#if defined(AMPFUSED_EXACT_DIV_BY_CONSTANT)
-    const float q = div_by_constant(a, c, y);
-#else
-    const float q = a / c;
-    (void)y;
-#endif
-    bad += q != a / c;
-  }
-  return bad;
-}
-
 }  // namespace AMPFUSED_ISA
 }  // namespace cpu
 }  // namespace ampfused

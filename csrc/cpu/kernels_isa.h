@@ -41,8 +41,7 @@ AMPFUSED_PRAGMA(GCC target(AMPFUSED_GCC_TARGET))
 namespace ampfused {
 namespace cpu {
 const IsaKernels* AMPFUSED_ISA_GETTER() {
-  static const IsaKernels k{AMPFUSED_ISA_NAME, AMPFUSED_ISA::accumulate, AMPFUSED_ISA::sumsq, AMPFUSED_ISA::update,
-                              AMPFUSED_ISA::division_mismatches};
+  static const IsaKernels k{AMPFUSED_ISA_NAME, AMPFUSED_ISA::accumulate, AMPFUSED_ISA::sumsq, AMPFUSED_ISA::update};
   return &k;
 }
 }  // namespace cpu

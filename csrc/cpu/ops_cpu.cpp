@@ -9,9 +9,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -67,8 +64,6 @@ const IsaKernels* choose() {
   return kernels_base();
 }
 
-int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
-
 void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
   check_accumulate(main_grad, grad);
   TORCH_CHECK(main_grad.device().is_cpu(), "ampfused::accumulate (CPU) got tensors on ", main_grad.device());
@@ -117,47 +112,34 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
                check_nonfinite);
 }
 
-void adamw_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                      at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                      at::TensorList masters, at::IntArrayRef groups,
-                      at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
-                      at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                      at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
-                      const std::optional<at::Tensor>& /*scratch: unused on CPU*/,
-                      const std::optional<at::Tensor>& grad_scale) {
-  UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
-                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
-  if (args.tensors.empty()) return;
-  TORCH_CHECK(params[0].device().is_cpu(), "ampfused::adamw_update (CPU) got tensors on ", params[0].device());
-  const float* scale = grad_scale_ptr(grad_scale, params[0].device());
-  const float unscale = inv_scale_of(scale);
-  const float* step_stats = stats.data_ptr<float>();
+void adamw_update_cpu(const UpdateCall& call) {
+  const float unscale = inv_scale_of(call.grad_scale);
+  const float* step_stats = call.stats.data_ptr<float>();
   if (step_stats[kStatsSkip] != 0.0f) return;  // a skipped step writes nothing at all
   const float base_factor = step_stats[kStatsFactor];
-  std::vector<double> lr(args.groups.size());
-  for (size_t j = 0; j < args.groups.size(); ++j) {
-    const UpdateGroup& g = args.groups[j];
-    lr[j] = g.lr_tensor.has_value() ? g.lr_tensor->item<double>() : g.lr;
+  std::vector<double> lr(call.groups.size());
+  for (size_t j = 0; j < call.groups.size(); ++j) {
+    // a tensor lr on another device is read here (it syncs with that device)
+    lr[j] = call.lr_tensors[j].defined() ? call.lr_tensors[j].item<double>() : call.groups[j].lr;
   }
-  std::vector<AdamWScalars> scalars(args.tensors.size());
+  std::vector<AdamWScalars> scalars(call.tensors.size());
   std::vector<UpdateRange> ranges;
-  for (size_t i = 0; i < args.tensors.size(); ++i) {
-    const UpdateTensor& t = args.tensors[i];
-    const UpdateGroup& g = args.groups[t.group];
+  for (size_t i = 0; i < call.tensors.size(); ++i) {
+    const UpdateTensor& t = call.tensors[i];
+    const UpdateGroup& g = call.groups[t.group];
     scalars[i] = adamw_scalars(lr[t.group], g.beta1, g.beta2, g.eps, g.weight_decay, *t.step + 1.0f);
     // -(g * f) == g * (-f) exactly: maximize folds into the factor
-    const float f = g.maximize ? -base_factor : base_factor;
+    const float f = (g.flags & kFlagMaximize) != 0 ? -base_factor : base_factor;
     for (int64_t b = 0; b < t.numel; b += kRange) {
-      ranges.push_back(UpdateRange{t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.master, t.param_dtype,
-                                   t.grad_dtype, &scalars[i], f, scale != nullptr ? const_cast<void*>(t.grad) : nullptr,
-                                   unscale, b, std::min(t.numel, b + kRange)});
+      ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b,
+                                   std::min(t.numel, b + kRange)});
     }
   }
   const IsaKernels& k = kernels();
   at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) k.update(ranges[r]);
   });
-  for (const UpdateTensor& t : args.tensors) *t.step = *t.step + 1.0f;
+  for (const UpdateTensor& t : call.tensors) *t.step = *t.step + 1.0f;
 }
 
 void scaler_update_cpu(const at::Tensor& found_inf, const at::Tensor& scale, const at::Tensor& growth_tracker,
@@ -173,27 +155,6 @@ void scaler_update_cpu(const at::Tensor& found_inf, const at::Tensor& scale, con
                 consecutive_skips.data_ptr<int64_t>(), watch.data_ptr<double>(), rules);
 }
 
-// Test-only: how many distinct threads run the work items of one at::parallel_for as the passes
-// call it (the build must give _C the OpenMP runtime torch uses, or this is 1).
-int64_t parallel_threads_cpu(int64_t work_items) {
-  std::mutex mu;
-  std::set<std::thread::id> seen;
-  at::parallel_for(0, work_items, 1, [&](int64_t begin, int64_t end) {
-    volatile double sink = 0.0;
-    for (int64_t r = begin; r < end; ++r) {
-      for (int j = 0; j < 200000; ++j) sink = sink + 1.0;  // long enough that every thread gets an item
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    seen.insert(std::this_thread::get_id());
-  });
-  return static_cast<int64_t>(seen.size());
-}
-
-// Test-only: kernels_impl.h's division_mismatches in the ISA variant the passes use.
-int64_t division_mismatches_cpu(double c, int64_t exponent) {
-  return kernels().division_mismatches(static_cast<float>(c), static_cast<int32_t>(exponent));
-}
-
 }  // namespace
 
 const IsaKernels& kernels() {
@@ -207,12 +168,7 @@ const IsaKernels& kernels() {
 TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl("accumulate", &ampfused::cpu::accumulate_cpu);
   m.impl("grad_stats", &ampfused::cpu::grad_stats_cpu);
-  m.impl("adamw_update", &ampfused::cpu::adamw_update_cpu);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu>);
   m.impl("scaler_update", &ampfused::cpu::scaler_update_cpu);
 }
 
-// Test-only op without tensor arguments: defined together with its (catch-all) kernel.
-TORCH_LIBRARY_FRAGMENT(ampfused, m) {
-  m.def("_parallel_threads(int work_items) -> int", &ampfused::cpu::parallel_threads_cpu);
-  m.def("_division_mismatches(float c, int exponent) -> int", &ampfused::cpu::division_mismatches_cpu);
-}

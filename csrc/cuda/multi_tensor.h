@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "../adamw_math.h"
+#include "../contract.h"
 
 namespace ampfused {
 namespace cuda {
@@ -24,25 +25,10 @@ constexpr int kBlockSize = 512;
 constexpr int64_t kChunkSize = 65536;  // elements per chunk; a multiple of 4 * kBlockSize
 // [note: occupancy] The grid is SMs x the blocks per SM that cudaOccupancyMaxActiveBlocksPerMultiprocessor
 // reports for each kernel (registers decide it), at most kMaxGrid blocks: one wave, all resident.
-constexpr int kMaxGrid = 4096;
-constexpr int kInlineGroups = 24;      // param groups passed by value; more go through a device table
+constexpr int kMaxGrid = kScratchBlocks;  // contract.h: the scratch has partials for this many blocks
+constexpr int kInlineGroups = 24;  // param groups passed by value; more go through a device table
 
 static_assert(kChunkSize % (4 * kBlockSize) == 0, "chunks must hold whole 4-wide vectors for every thread");
-
-struct UpdateEntry {
-  void* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // nullptr: no AMSGrad
-  float* master;          // nullptr: no master copy
-  float* step;
-  int64_t numel;
-  int32_t param_dtype;
-  int32_t grad_dtype;
-  int32_t group;
-  int32_t aligned;  // every pointer allows 4-wide vector access
-};
 
 struct StatsEntry {
   const void* grad;
@@ -57,18 +43,9 @@ struct Chunk {
   int64_t start;
 };
 
-enum LrDType : int32_t { kLrValue = -1, kLrF32 = 0, kLrF16 = 1, kLrBF16 = 2, kLrF64 = 3 };
-
-struct GroupHyper {
-  double lr;           // used when lr_ptr is null
-  const void* lr_ptr;  // a device tensor lr, read by the kernel (no host sync)
-  int32_t lr_dtype;
-  int32_t flags;       // kFlagAmsgrad | kFlagMaximize (ops_common.h)
-  double beta1, beta2, eps, weight_decay;
-};
-
+// The update's table holds contract.h's UpdateTensor records, its groups UpdateGroup records.
 struct UpdateParams {
-  const UpdateEntry* tensors;
+  const UpdateTensor* tensors;
   const Chunk* chunks;
   int64_t n_chunks;
   int32_t n_tensors;
@@ -76,8 +53,8 @@ struct UpdateParams {
   const float* stats;         // stats[kStatsSkip], stats[kStatsFactor] from the stats pass
   const float* grad_scale;    // nullptr, or the loss scale: the unscaled gradient is written into the grads
   unsigned int* counter;      // zero between launches; the last block resets it
-  const GroupHyper* groups;   // nullptr: inline_groups
-  GroupHyper inline_groups[kInlineGroups];
+  const UpdateGroup* groups;  // nullptr: inline_groups
+  UpdateGroup inline_groups[kInlineGroups];
 };
 
 struct StatsParams {
@@ -89,8 +66,8 @@ struct StatsParams {
   float max_grad_norm;
   int32_t clip;
   int32_t check_nonfinite;  // 0: only found_inf skips (skip_nonfinite=False without a scaler)
-  float* stats;             // the stats vector (adamw_math.h slots)
-  double* partials;         // two slots per block: sum of squares, non-finite sum
+  float* stats;             // the stats vector (contract.h slots)
+  double* partials;         // two slots per block: sum of squares, non-finite sum (in the scratch)
   unsigned int* counter;    // zero between launches; the last block resets it
 };
 

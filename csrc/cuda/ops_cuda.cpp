@@ -55,12 +55,6 @@ int grid_for(int64_t work_items, int device, int blocks_per_sm) {
   return static_cast<int>(std::max<int64_t>(1, std::min(work_items, most)));
 }
 
-bool aligned4(const void* ptr, int64_t element_size) {
-  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % (4 * element_size) == 0;
-}
-
-int64_t element_size(int32_t dtype) { return dtype == 0 ? 4 : 2; }
-
 // One uploaded buffer: `host` (pinned) is kept alive for the async copy and graph replays. Tables
 // are read-only on the device: what a launch writes lives in the caller's scratch (below).
 struct Table {
@@ -74,12 +68,8 @@ struct Table {
   const void* data() const { return device.data_ptr(); }
 };
 
-// [note: scratch] (csrc/ops.cpp) bytes [0, 8): the stats ticket counter, [8, 16): the update's,
-// [16, ...): the stats partials, two doubles per block. Owned by the caller (one per optimizer), so
-// no counter is shared between optimizers, streams or graphs; without one a launch gets a fresh
-// zeroed buffer (a memset on the stream; inside a capture it lives in the graph's pool).
-constexpr int64_t kScratchBytes = 16 + 16 * static_cast<int64_t>(kMaxGrid);
-
+// The caller's scratch ([note: scratch] in contract.h), or, without one, a fresh zeroed buffer (a
+// memset on the stream; inside a capture it lives in the graph's pool).
 at::Tensor scratch_or_fresh(const std::optional<at::Tensor>& scratch, const at::Device& device, const char* op) {
   if (!scratch.has_value()) return at::zeros({kScratchBytes}, at::TensorOptions().dtype(at::kByte).device(device));
   const at::Tensor& s = *scratch;
@@ -88,12 +78,14 @@ at::Tensor scratch_or_fresh(const std::optional<at::Tensor>& scratch, const at::
               ", got ", s.scalar_type(), " of ", s.numel(), " on ", s.device());
   return s;
 }
-unsigned int* stats_counter(const at::Tensor& scratch) { return reinterpret_cast<unsigned int*>(scratch.data_ptr()); }
+unsigned int* stats_counter(const at::Tensor& scratch) {
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(scratch.data_ptr()) + kScratchStatsCounter);
+}
 unsigned int* update_counter(const at::Tensor& scratch) {
-  return reinterpret_cast<unsigned int*>(static_cast<char*>(scratch.data_ptr()) + 8);
+  return reinterpret_cast<unsigned int*>(static_cast<char*>(scratch.data_ptr()) + kScratchUpdateCounter);
 }
 double* stats_partials(const at::Tensor& scratch) {
-  return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + 16);
+  return reinterpret_cast<double*>(static_cast<char*>(scratch.data_ptr()) + kScratchPartials);
 }
 
 std::shared_ptr<Table> upload(std::vector<int64_t> key, const void* bytes, int64_t n_bytes, const at::Device& device) {
@@ -231,36 +223,40 @@ void grad_stats_cuda(at::TensorList grads, const std::optional<at::Tensor>& grad
   C10_CUDA_CHECK(launch_stats(p, layout->grid, c10::cuda::getCurrentCUDAStream()));
 }
 
-void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                       at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                       at::TensorList masters, at::IntArrayRef groups,
-                       at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors,
-                       at::ArrayRef<double> beta1s, at::ArrayRef<double> beta2s, at::ArrayRef<double> epss,
-                       at::ArrayRef<double> weight_decays, at::IntArrayRef flags, const at::Tensor& stats,
-                       const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale) {
-  UpdateArgs args = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups, lrs,
-                                   lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats);
-  if (args.tensors.empty()) return;
-  const at::Device device = params[0].device();
-  TORCH_CHECK(device.is_cuda(), "ampfused::adamw_update (CUDA) got tensors on ", device);
+// The lr of a group given as a tensor on a GPU: read on the device at kernel time, in its own float
+// dtype: no sync, no temporary, and graph replays see scheduler updates. Only an lr on another GPU
+// or of a non-float dtype is copied over on the stream (reading it on the host would synchronize);
+// the copy goes to `temporaries` (see keep_for_graphs).
+void point_at_lr(UpdateGroup& group, const at::Tensor& lr, const at::Device& device, std::vector<at::Tensor>& temporaries) {
+  if (!lr.is_cuda()) {
+    group.lr = lr.item<double>();  // not a CPU tensor (collect_update read those) nor a GPU one
+    return;
+  }
+  const at::ScalarType type = lr.scalar_type();
+  const bool direct = lr.device() == device && (type == at::kFloat || type == at::kDouble ||
+                                                type == at::kHalf || type == at::kBFloat16);
+  at::Tensor lr_t = direct ? lr : lr.to(device, at::kFloat);
+  group.lr_ptr = lr_t.data_ptr();
+  group.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64
+                   : lr_t.scalar_type() == at::kHalf ? kF16
+                   : lr_t.scalar_type() == at::kBFloat16 ? kBF16 : kF32;
+  if (!direct) temporaries.push_back(lr_t);
+}
+
+void adamw_update_cuda(const UpdateCall& call) {
+  const at::Device device = call.device;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  std::vector<UpdateEntry> entries;
   std::vector<int64_t> numels;
   std::vector<int64_t> key{2, device.index()};  // 2: update entries
-  entries.reserve(args.tensors.size());
-  numels.reserve(args.tensors.size());
-  key.reserve(2 + 9 * args.tensors.size());
-  for (const UpdateTensor& t : args.tensors) {
-    const int64_t ps = element_size(t.param_dtype), gs = element_size(t.grad_dtype);
-    const bool aligned = aligned4(t.param, ps) && aligned4(t.grad, gs) && aligned4(t.exp_avg, 4) &&
-                         aligned4(t.exp_avg_sq, 4) && aligned4(t.max_exp_avg_sq, 4) && aligned4(t.master, 4);
-    entries.push_back(UpdateEntry{t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.master, t.step,
-                                  t.numel, t.param_dtype, t.grad_dtype, t.group, aligned});
-    for (const void* ptr : {static_cast<const void*>(t.param), t.grad, static_cast<const void*>(t.exp_avg),
-                            static_cast<const void*>(t.exp_avg_sq), static_cast<const void*>(t.max_exp_avg_sq),
-                            static_cast<const void*>(t.master), static_cast<const void*>(t.step)}) {
+  numels.reserve(call.tensors.size());
+  key.reserve(2 + 9 * call.tensors.size());
+  for (const UpdateTensor& t : call.tensors) {
+    for (const void* ptr : {static_cast<const void*>(t.param), static_cast<const void*>(t.grad),
+                            static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
+                            static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.master),
+                            static_cast<const void*>(t.step)}) {
       key.push_back(reinterpret_cast<int64_t>(ptr));
     }
     key.push_back(t.numel);
@@ -269,59 +265,37 @@ void adamw_update_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   }
   std::shared_ptr<Table> layout = layout_for(12, device, numels, update_blocks_per_sm());
   std::shared_ptr<Table> table = cached_table(key, [&] {
-    return upload(key, entries.data(), static_cast<int64_t>(entries.size() * sizeof(UpdateEntry)), device);
+    return upload(key, call.tensors.data(), static_cast<int64_t>(call.tensors.size() * sizeof(UpdateTensor)), device);
   });
 
   // Group hyperparameters: by value in the launch (they change every step under a scheduler).
-  std::vector<GroupHyper> hyper(args.groups.size());
+  std::vector<UpdateGroup> groups = call.groups;
   std::vector<at::Tensor> keep_alive;
-  for (size_t j = 0; j < args.groups.size(); ++j) {
-    const UpdateGroup& g = args.groups[j];
-    GroupHyper& h = hyper[j];
-    h = GroupHyper{g.lr, nullptr, kLrValue, (g.amsgrad ? 1 : 0) | (g.maximize ? 2 : 0), g.beta1, g.beta2, g.eps,
-                   g.weight_decay};
-    if (g.lr_tensor.has_value()) {
-      const at::Tensor& lr = *g.lr_tensor;
-      if (lr.is_cuda()) {
-        // read on the device at kernel time, in its own float dtype: no sync, no temporary, and graph
-        // replays see scheduler updates. Only an lr on another GPU or of a non-float dtype is copied
-        // over on the stream (reading it on the host would synchronize); see keep_for_graphs.
-        const at::ScalarType type = lr.scalar_type();
-        const bool direct = lr.device() == device && (type == at::kFloat || type == at::kDouble ||
-                                                      type == at::kHalf || type == at::kBFloat16);
-        at::Tensor lr_t = direct ? lr : lr.to(device, at::kFloat);
-        h.lr_ptr = lr_t.data_ptr();
-        h.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64
-                     : lr_t.scalar_type() == at::kHalf ? kLrF16
-                     : lr_t.scalar_type() == at::kBFloat16 ? kLrBF16 : kLrF32;
-        if (!direct) keep_alive.push_back(lr_t);
-      } else {
-        h.lr = lr.item<double>();  // a CPU tensor: no device sync
-      }
-    }
+  for (size_t j = 0; j < groups.size(); ++j) {
+    if (call.lr_tensors[j].defined()) point_at_lr(groups[j], call.lr_tensors[j], device, keep_alive);
   }
   UpdateParams p{};
-  p.tensors = static_cast<const UpdateEntry*>(table->data());
+  p.tensors = static_cast<const UpdateTensor*>(table->data());
   p.chunks = static_cast<const Chunk*>(layout->data());
   p.n_chunks = layout->n_chunks;
-  p.n_tensors = static_cast<int32_t>(entries.size());
-  p.n_groups = static_cast<int32_t>(hyper.size());
-  p.stats = stats.data_ptr<float>();
-  const at::Tensor launch_scratch = scratch_or_fresh(scratch, device, "ampfused::adamw_update");
-  p.grad_scale = grad_scale_ptr(grad_scale, device);
+  p.n_tensors = static_cast<int32_t>(call.tensors.size());
+  p.n_groups = static_cast<int32_t>(groups.size());
+  p.stats = call.stats.data_ptr<float>();
+  const at::Tensor launch_scratch = scratch_or_fresh(call.scratch, device, "ampfused::adamw_update");
+  p.grad_scale = call.grad_scale;
   p.counter = update_counter(launch_scratch);
   at::Tensor group_table;
-  if (hyper.size() <= static_cast<size_t>(kInlineGroups)) {
-    std::copy(hyper.begin(), hyper.end(), p.inline_groups);
+  if (groups.size() <= static_cast<size_t>(kInlineGroups)) {
+    std::copy(groups.begin(), groups.end(), p.inline_groups);
     p.groups = nullptr;
   } else {
-    const int64_t bytes = static_cast<int64_t>(hyper.size() * sizeof(GroupHyper));
+    const int64_t bytes = static_cast<int64_t>(groups.size() * sizeof(UpdateGroup));
     at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.data_ptr(), hyper.data(), bytes);
+    std::memcpy(host.data_ptr(), groups.data(), bytes);
     group_table = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
     group_table.copy_(host, /*non_blocking=*/true);
     keep_alive.push_back(host);
-    p.groups = static_cast<const GroupHyper*>(group_table.data_ptr());
+    p.groups = static_cast<const UpdateGroup*>(group_table.data_ptr());
   }
   C10_CUDA_CHECK(launch_update(p, layout->grid, stream));
   if (group_table.defined()) keep_alive.push_back(group_table);
@@ -350,6 +324,6 @@ void scaler_update_cuda(const at::Tensor& found_inf, const at::Tensor& scale, co
 TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
   m.impl("accumulate", &ampfused::cuda::accumulate_cuda);
   m.impl("grad_stats", &ampfused::cuda::grad_stats_cuda);
-  m.impl("adamw_update", &ampfused::cuda::adamw_update_cuda);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CUDA, ampfused::cuda::adamw_update_cuda>);
   m.impl("scaler_update", &ampfused::cuda::scaler_update_cuda);
 }

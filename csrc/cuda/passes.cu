@@ -1,5 +1,6 @@
-// CUDA kernels of the three passes. Light on purpose: only the CUDA runtime and ampfused's own
-// headers, no ATen, so this file compiles in seconds per architecture.
+// CUDA kernels of the four passes (stats, update, scaler update, accumulate). Light on purpose:
+// only the CUDA runtime and ampfused's own headers, no ATen, so this file compiles in seconds per
+// architecture.
 //
 // [note: one launch, finished on the device] The stats and update kernels each run once over the
 // whole table. Whatever must happen after every block is done (adding the per-block partial sums
@@ -9,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "../adamw_math.h"
+#include "../contract.h"
 #include "../dtypes.h"
 #include "multi_tensor.h"
 
@@ -16,8 +18,7 @@ namespace ampfused {
 namespace cuda {
 namespace {
 
-constexpr int32_t kFlagMaximize = 2;  // as ops_common.h
-constexpr int kStatsUnroll = 4;       // 16-byte loads in flight per thread in the stats loop
+constexpr int kStatsUnroll = 4;  // 16-byte loads in flight per thread in the stats loop
 
 template <typename T>
 struct alignas(4 * sizeof(T)) Pack4 {
@@ -72,10 +73,10 @@ __device__ bool last_block_done(unsigned int* counter) {
 
 // write_grad: the unscaled gradient g * unscale is written back into the grad (DESIGN §2.7).
 template <typename P, typename G>
-__device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float factor,
+__device__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s, float factor,
                              bool write_grad, float unscale) {
   P* param = static_cast<P*>(t.param);
-  G* grad = static_cast<G*>(const_cast<void*>(t.grad));
+  G* grad = static_cast<G*>(t.grad);
   float* m = t.exp_avg;
   float* v = t.exp_avg_sq;
   float* vmax = t.max_exp_avg_sq;
@@ -138,7 +139,7 @@ __device__ void update_chunk(const UpdateEntry& t, int64_t begin, int64_t end, c
 }
 
 template <typename P>
-__device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end, const AdamWScalars& s, float f,
+__device__ void update_chunk_p(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s, float f,
                                bool write_grad, float unscale) {
   switch (t.grad_dtype) {
     case kF32: return update_chunk<P, float>(t, begin, end, s, f, write_grad, unscale);
@@ -148,12 +149,12 @@ __device__ void update_chunk_p(const UpdateEntry& t, int64_t begin, int64_t end,
 }
 
 // A group's lr: by value, or read from a device tensor of any float dtype (no cast temporary).
-__device__ double lr_of(const GroupHyper& h) {
+__device__ double lr_of(const UpdateGroup& h) {
   if (h.lr_ptr == nullptr) return h.lr;
   switch (h.lr_dtype) {
     case kLrF64: return *static_cast<const double*>(h.lr_ptr);
-    case kLrF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
-    case kLrBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
+    case kF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
+    case kBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
     default: return static_cast<double>(*static_cast<const float*>(h.lr_ptr));
   }
 }
@@ -163,12 +164,12 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
   const float factor = p.stats[kStatsFactor];
   const bool write_grad = p.grad_scale != nullptr;  // else the grads stay as they are
   const float unscale = inv_scale_of(p.grad_scale);
-  const GroupHyper* groups = p.groups != nullptr ? p.groups : p.inline_groups;
+  const UpdateGroup* groups = p.groups != nullptr ? p.groups : p.inline_groups;
   __shared__ AdamWScalars chunk_scalars;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
-    const UpdateEntry t = p.tensors[chunk.tensor];
-    const GroupHyper& h = groups[t.group];
+    const UpdateTensor t = p.tensors[chunk.tensor];
+    const UpdateGroup& h = groups[t.group];
     // the per-tensor scalars (two fp64 powers) once per block and chunk, not in every thread
     __syncthreads();  // every thread has copied the previous chunk's scalars
     if (threadIdx.x == 0) {

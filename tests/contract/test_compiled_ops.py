@@ -4,6 +4,7 @@ and exact fp16 conversions under flush-to-zero. The passes themselves are checke
 backend in tests/contract/test_passes.py.
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import ampfused
 from ampfused import _compiled, reference
 from ampfused._contract import Hyper
+import testing_extension
 from test_passes import assert_update_close, make_tensors as _make_tensors, stats_vector
 
 _CPU_BACKEND, _CPU_REASON = _compiled.get_backend("cpu")
@@ -118,6 +120,15 @@ def test_extension_reports_itself():
         assert why  # a reason is always given
 
 
+def test_extension_registers_no_test_only_op():
+    """ampfused._C holds the production ops only: what only tests call is built on demand from
+    csrc/testing/ (tests/testing_extension.py, torch.ops.ampfused_testing)."""
+    _compiled.load()
+    names = {s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("ampfused::")}
+    hooks = {"_hook_accumulation", "_unhook_accumulation"}  # ampfused/_main_grad.py's CPU accumulation hook
+    assert names == {f"ampfused::{op}" for op in (*_compiled.OPS, *hooks)}
+
+
 @pytest.mark.gpu
 def test_cuda_graph_capture_of_both_passes():
     """Stats + update replayed from a CUDA graph equal eager reference steps (no host sync inside)."""
@@ -194,14 +205,25 @@ def test_fp16_conversions_are_exact_for_every_bit_pattern(device, flush_denormal
 
 def test_cpu_kernels_use_torchs_threads():
     """_C is built with OpenMP (torch's runtime): at::parallel_for in the passes runs on
-    torch.get_num_threads() threads (an extension built without -fopenmp runs them on one)."""
+    torch.get_num_threads() threads (an extension built without -fopenmp runs them on one).
+    The test-only extension, built with the flags build_extension.py gives _C, counts the threads;
+    _C itself must carry what those flags leave in a binary."""
+    compile_flags, link_flags = testing_extension.build_extension().openmp_flags(torch)
+    with open(_compiled.load()[0].__file__, "rb") as f:
+        binary = f.read()
+    # -fopenmp inlines ATen's `#pragma omp parallel` into the caller as a call to GOMP_parallel
+    assert (b"GOMP_parallel" in binary) == ("-fopenmp" in compile_flags), compile_flags
+    for lib in link_flags:
+        if lib.endswith(".so") or ".so." in lib:  # torch's own libgomp, by its soname
+            assert os.path.basename(lib).encode() in binary, lib
     threads = torch.get_num_threads()
     if threads < 2:
         pytest.skip("torch runs on one thread here")
+    testing = testing_extension.ops()
     try:
-        assert torch.ops.ampfused._parallel_threads(64 * threads) == threads
+        assert testing.parallel_threads(64 * threads) == threads
         torch.set_num_threads(1)
-        assert torch.ops.ampfused._parallel_threads(64) == 1
+        assert testing.parallel_threads(64) == 1
     finally:
         torch.set_num_threads(threads)
 

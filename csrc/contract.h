@@ -1,0 +1,90 @@
+// The pass contract for C++ and CUDA: what the ops, the CPU hot loops and the CUDA kernels agree
+// on with each other and with the Python side (ampfused/_contract.py spells the same numbers, the
+// Triton kernels keep their own copies; a test holds them equal by reading the `constexpr ... kName
+// = value;` lines below, so keep each constant on one such line).
+//
+// ATen-free and CUDA-free on purpose: included by the ops (ops_common.h), by adamw_math.h and
+// dtypes.h, and by the nvcc-compiled passes.cu, which sees no torch header.
+#pragma once
+
+#include <cstdint>
+
+namespace ampfused {
+
+// ------------------------------------------------------------------ the stats vector
+// One fp32 vector of kStatsSize slots: the stats pass writes it, the update pass reads it.
+constexpr int kStatsNorm = 0;    // the gradient norm (inf on a skipped step whose norm was finite)
+constexpr int kStatsSkip = 1;    // 1: skip the update, 0: step
+constexpr int kStatsFactor = 2;  // what every gradient is multiplied by: 1/scale, times the clip coefficient
+constexpr int kStatsSumsq = 3;   // the sum of squares of the unscaled gradients
+constexpr int kStatsSize = 4;
+constexpr float kClipEps = 1e-6f;  // torch.nn.utils.clip_grad_norm_'s epsilon
+
+// ------------------------------------------------------------------ param group flags
+// Bits of a group's `flags` in adamw_update.
+constexpr int32_t kFlagAmsgrad = 1;
+constexpr int32_t kFlagMaximize = 2;
+
+// ------------------------------------------------------------------ dtype codes
+// The element types the kernels read and write (per tensor, in the records below).
+constexpr int32_t kF32 = 0;
+constexpr int32_t kF16 = 1;
+constexpr int32_t kBF16 = 2;
+
+// Bytes per element of a dtype code.
+inline constexpr int64_t element_size(int32_t dtype) { return dtype == kF32 ? 4 : 2; }
+
+// Whether ptr allows 4-element vector access to elements of `bytes` bytes (nullptr: nothing to access).
+inline bool aligned4(const void* ptr, int64_t bytes) {
+  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % (4 * bytes) == 0;
+}
+
+// ------------------------------------------------------------------ the launch scratch
+// [note: scratch] The caller's uint8 buffer of kScratchBytes, zero between launches (the last block
+// of each launch resets its counter): the tickets and partials of the CUDA passes' last-block logic.
+// One per optimizer, so two optimizers on two streams, or two replayed CUDA graphs, never share a
+// counter. The CPU kernels need none.
+constexpr int64_t kScratchStatsCounter = 0;   // byte offset of the stats pass's ticket counter
+constexpr int64_t kScratchUpdateCounter = 8;  // byte offset of the update pass's ticket counter
+constexpr int64_t kScratchPartials = 16;      // byte offset of the stats partials: two doubles per block
+constexpr int kScratchBlocks = 4096;          // the most blocks a launch may have (partials for each)
+constexpr int64_t kScratchBytes = 16 + 16 * 4096;
+static_assert(kScratchBytes == kScratchPartials + 2 * static_cast<int64_t>(sizeof(double)) * kScratchBlocks,
+              "the scratch holds both counters and two doubles for every block");
+
+// ------------------------------------------------------------------ the update's records
+
+// One tensor of the update pass, as the op checked it: the only per-tensor record. The CPU hot
+// loops take element ranges of it (cpu/cpu_kernels.h), the CUDA update reads an array of it from
+// device memory (cuda/multi_tensor.h), so it holds plain pointers and fixed-width integers only.
+struct UpdateTensor {
+  void* param;
+  void* grad;             // written only with a grad_scale: the unscaled gradient
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // nullptr without AMSGrad
+  float* master;          // nullptr without a master copy (the param is its own master)
+  float* step;            // one fp32 element, advanced once the update has read it
+  int64_t numel;
+  int32_t param_dtype;    // dtype codes
+  int32_t grad_dtype;
+  int32_t group;          // index into the UpdateGroup list
+  int32_t aligned;        // every pointer allows 4-element vector access (the CUDA update's fast path)
+};
+
+// How a group's lr is read: kLrValue takes UpdateGroup::lr, the others read a one-element tensor
+// of that dtype at lr_ptr when the kernel runs (the dtype codes above, and fp64).
+constexpr int32_t kLrValue = -1;
+constexpr int32_t kLrF64 = 3;
+
+// One param group of the update pass: the only per-group record, by value in a CUDA launch's
+// arguments (up to kInlineGroups of cuda/multi_tensor.h) or in device memory.
+struct UpdateGroup {
+  double lr;           // used when lr_dtype == kLrValue
+  const void* lr_ptr;  // a tensor lr, read at kernel time (no host sync); nullptr with kLrValue
+  int32_t lr_dtype;
+  int32_t flags;       // kFlagAmsgrad | kFlagMaximize
+  double beta1, beta2, eps, weight_decay;
+};
+
+}  // namespace ampfused
