@@ -12,15 +12,16 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from types import ModuleType  # a backend is a module or an object with the same attributes (_contract.Backend)
 
 import torch
+
+from ._contract import Backend  # a module or an object with these attributes
 
 BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")
 ENV_VAR = "AMPFUSED_BACKEND"
 
 # name -> (module or None, reason it is unavailable or the empty string)
-_probed: dict[str, tuple[ModuleType | None, str]] = {}
+_probed: dict[str, tuple[Backend | None, str]] = {}
 
 
 def _probe_reference():
@@ -69,7 +70,7 @@ _PROBES = {
 }
 
 
-def probe(name: str) -> tuple[ModuleType | None, str]:
+def probe(name: str) -> tuple[Backend | None, str]:
     """(module, "") when backend ``name`` is usable in this process, else (None, reason). Cached."""
     check_name(name)
     if name not in _probed:
@@ -85,7 +86,7 @@ def check_name(name: str) -> None:
         raise ValueError(f"unknown backend {name!r}; valid backends are {', '.join(map(repr, BACKEND_NAMES))} or None (auto)")
 
 
-def _device_reason(module: ModuleType, device: torch.device) -> str:
+def _device_reason(module: Backend, device: torch.device) -> str:
     supports = getattr(module, "supports", None)
     return (supports(device) or "") if supports is not None else ""
 
@@ -98,7 +99,7 @@ def _auto_order(device: torch.device) -> tuple[str, ...]:
     return ("cpu", "reference")
 
 
-def resolve(requested: str | None, device: torch.device) -> tuple[ModuleType, str]:
+def resolve(requested: str | None, device: torch.device) -> tuple[Backend, str]:
     """Pick the backend for tensors on ``device``; returns (module, why it was chosen).
 
     ``requested`` (or the AMPFUSED_BACKEND environment variable when it is None) forces one and

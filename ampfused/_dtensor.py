@@ -62,7 +62,7 @@ def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
     cls = _DTENSOR or _dtensor_type()
     if cls is None:
         return list(ts)
-    return [t._local_tensor if isinstance(t, cls) else t for t in ts]
+    return [t._local_tensor if isinstance(t, cls) else t for t in ts]  # see [note: _local_tensor]
 
 
 def like_param(view: Tensor, p: Tensor) -> Tensor:
@@ -123,7 +123,7 @@ def localize(params: list[Tensor], grads: list[Tensor], *lists: list) -> tuple[l
             raise RuntimeError(
                 f"gradient {i} of a DTensor parameter with placements {tuple(p.placements)} is {placements}: "
                 "FusedAmpAdamW steps on local shards and needs each gradient sharded like its parameter")
-    out = [[p._local_tensor for p in params], [g._local_tensor for g in grads]]
+    out = [[p._local_tensor for p in params], [g._local_tensor for g in grads]]  # [note: _local_tensor]
     out += [local_tensors(ts) for ts in lists]  # None entries pass through
     return out, plan
 

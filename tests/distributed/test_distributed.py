@@ -143,6 +143,14 @@ def check_zero(rank, backend):
         if p in opt.optim.state:
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(opt.optim.state[p][key], ref.optim.state[q][key], **tol(backend))
+    # the explicit form: a partition built by hand names its group (no ZeroRedundancyOptimizer on the stack)
+    mine = [p for i, p in enumerate(ours.parameters()) if i % WORLD == rank]
+    part = ampfused.FusedAmpAdamW(mine, lr=1e-2, max_grad_norm=CLIP, backend=backend, partition_group=dist.group.WORLD)
+    backward_ddp(ddp_ours, rank, STEPS)
+    backward_ddp(ddp_stock, rank, STEPS)
+    part.step()
+    norm = torch.nn.utils.clip_grad_norm_(stock.parameters(), CLIP)
+    torch.testing.assert_close(part.grad_norm, norm, **tol(backend), msg="partition_group: the norm must cover every partition")
     with pytest.raises(ValueError, match="fp32_grad_accumulation=False"):
         ZeroRedundancyOptimizer(make_model(torch.bfloat16).parameters(), optimizer_class=ampfused.FusedAmpAdamW)
     # one param on two ranks: one partition is empty, and that rank must still join the stats all-reduce
