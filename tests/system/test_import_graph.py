@@ -124,9 +124,11 @@ def test_reducers_sit_below_the_optimizer():
     assert "ampfused.distributed" not in graph["ampfused.optim"]
 
 
-def test_import_loads_no_kernels_in_a_fresh_interpreter():
-    """And the public submodules are attributes of the package right after ``import ampfused``."""
-    code = ("import sys, ampfused; "
+def test_import_probes_nothing_and_loads_no_kernels_in_a_fresh_interpreter():
+    """``import ampfused`` probes no backend and loads neither Triton nor the extension; the public
+    submodules are attributes of the package right after it."""
+    code = ("import sys, ampfused; from ampfused import _backends; "
+            "assert not _backends._probed, _backends._probed; "
             "bad = [m for m in sys.modules if m in ('triton', 'ampfused._C') or m.startswith('ampfused.kernels')]; "
             "assert not bad, bad; "
             "assert callable(ampfused.distributed.data_parallel) and callable(ampfused.functional.fused_amp_adamw); "
