@@ -354,7 +354,7 @@ def test_bf16_unused_branch_users_clip_and_accumulation_match_the_fp32_master_re
                 torch.testing.assert_close(amp_state[key].float(), ref_state[key].float(), **tol(backend))
 
 
-# ------------------------------------------------------------------ fp32 accumulation edge cases (review 2)
+# ------------------------------------------------------------------ fp32 accumulation edge cases
 
 
 def bf16_linear(device, seed=0):
