@@ -4,4 +4,5 @@
 #define AMPFUSED_ISA_GETTER kernels_avx2
 #define AMPFUSED_GCC_TARGET "avx2,fma,f16c"
 #define AMPFUSED_CLANG_TARGET "avx2,fma,f16c"
+#define AMPFUSED_VECTOR_BYTES 32  // kernels_impl.h keeps reduction lanes in vectors of this width
 #include "kernels_isa.h"
