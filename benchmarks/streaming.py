@@ -230,9 +230,9 @@ def _check_same(reference: StepProvider, other: StepProvider) -> None:
 def cpu_clock(threads: int):
     """[note: CPU-time clock] On a machine other jobs keep busy, wall time counts the time a step waited
     for a core. This clock counts only the CPU time of this process's threads, divided by the thread
-    count: exact for one thread (everything runs on the caller); at more threads an estimate, since an
-    OpenMP thread spinning at a barrier for a preempted partner is counted too (it overstates, never
-    understates, the step's time)."""
+    count: exact for one thread (everything runs on the caller). At more threads only a rough guide,
+    wrong either way: a worker spinning at a barrier for a preempted partner is counted, a worker
+    asleep while a serial part runs on one thread (torch's _foreach_norm: 2x "faster") is not."""
     if threads == 1:
         return time.thread_time
     return lambda: time.process_time() / threads
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=cli.positive_int, default=15, help="timed steps per provider (default 15)")
     parser.add_argument("--parts", type=cli.choice_list(("passes", "steps")), default=("passes", "steps"))
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: perf_counter; cpu: the CPU time of this process per thread (see cpu_clock)")
+                        help="wall: perf_counter; cpu: the CPU time of this process per thread (exact at 1 thread; see cpu_clock)")
     parser.add_argument("--out", default="bench-results/streaming", help="output folder")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
