@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch import Tensor
@@ -54,6 +55,12 @@ class StepPlan:
     grad tensor, a ``p.data`` swap, a changed ``amsgrad``, an edited params list, a reset ``opt.state``
     -- rebuilds the plan
     through the validating path. Hyperparameters are read per group at every step.
+
+    [note: grads held weakly] Between steps the plan holds its grads only through weak references
+    (``release_grads``, called when the step is done): ``zero_grad(set_to_none=True)`` then frees
+    them, as with torch's optimizers, instead of keeping a whole set of gradients alive through the
+    next forward and backward and freeing it inside the next ``step()`` (at 50M params, 200 MB
+    more peak memory and ~10 ms of munmap in the step).
     """
 
     def __init__(self, param_groups, work, state, scratch):
@@ -61,6 +68,7 @@ class StepPlan:
         self.groups = [(g, g["params"], len(g["params"]), g["amsgrad"]) for g in param_groups]
         self.all_params = [p for g in param_groups for p in g["params"]]
         self.all_grads = [p.grad for p in self.all_params]
+        self.grad_refs: list | None = None  # weak references to all_grads between steps
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
         self.grad_layouts = _grad_layouts(self.grads)  # what the checked grads look like: fresh ones must match
@@ -97,16 +105,26 @@ class StepPlan:
         if data_ptrs != self.data_ptrs and [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
             return False
         grads = list(map(_GRAD, self.all_params))
-        if all(map(operator.is_, grads, self.all_grads)):
+        checked = self.all_grads if self.grad_refs is None else list(map(_deref, self.grad_refs))
+        if all(map(operator.is_, grads, checked)):
+            self.all_grads, self.grads = grads, [g for g in grads if g is not None]
+            self.grad_refs = None
             return True
         # new grad tensors for the same params (zero_grad(set_to_none=True) + backward): check them only
-        if [g is None for g in grads] != [g is None for g in self.all_grads]:
+        if [g is None for g in grads] != [g is None for g in checked]:
             return False  # another set of params has gradients
         fresh = [g for g in grads if g is not None]
         if _grad_layouts(fresh) != self.grad_layouts:
             return False
         self.all_grads, self.grads = grads, fresh
+        self.grad_refs = None
         return True
+
+    def release_grads(self) -> None:
+        """The step is done: keep the grads only weakly (see [note: grads held weakly])."""
+        if self.grad_refs is None:
+            self.grad_refs = [None if g is None else weakref.ref(g) for g in self.all_grads]
+            self.all_grads = self.grads = None
 
     def hypers(self) -> list[Hyper]:
         """The hyperparameters of every stepping group, read at every step (a scheduler may change them)."""
@@ -132,6 +150,14 @@ def _as_float(value):
 
 
 _DTYPE, _GRAD = operator.attrgetter("dtype"), operator.attrgetter("grad")
+_FREED = object()  # what a weak reference to a freed grad gives: never a param's current grad, nor None
+
+
+def _deref(ref):
+    if ref is None:
+        return None
+    grad = ref()
+    return _FREED if grad is None else grad
 
 
 def _grad_layouts(grads: list) -> tuple | None:

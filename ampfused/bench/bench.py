@@ -19,6 +19,9 @@ with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
 
 The ``host`` sweep times the host side of ``step()`` alone on many tiny tensors (see
 ``configs.py`` [note: host sweep]) and reports ampfused's host time over stock torch-fused's.
+The ``passes`` sweep times every pass of the compiled backend alone at a large size (50M on the CPU
+plan) against the ``a += b`` stream and torch's own passes (``streaming.py``): GB/s per pass and
+its fraction of the roofline, in ``passes.csv`` / ``passes.md``.
 
 Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``summary.md`` (the
 README's results table) and ``*.png`` (the plots need matplotlib: ``pip install "ampfused[bench]"``).
@@ -34,7 +37,7 @@ import time
 
 import torch
 
-from . import cli, configs, measure, providers, report
+from . import cli, configs, measure, providers, report, streaming
 from .environment import Load, environment
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least
@@ -197,6 +200,15 @@ def stubbed_triton_kernels(active: bool):
         stats._grad_stats_kernel, adamw._adamw_update_kernel = saved
 
 
+def run_passes(plan_name: str, device: torch.device, backends: list[str], budget, env: dict) -> list[dict]:
+    """The ``passes`` sweep: the compiled backend's passes alone (streaming.pass_rows), when it is here."""
+    if device.type not in backends:
+        print(f"passes sweep: skipped (the compiled {device.type} backend is not available)")
+        return []
+    return streaming.pass_rows(configs.PASSES_NUMEL[plan_name], configs.PASSES_TENSORS, device, budget, env,
+                               backend_name=device.type)
+
+
 def warm_up(names, device) -> None:
     """One untimed step of every provider on a tiny case: lazy initialisation stays out of the first row."""
     for config in (configs.FP32_CLIP, configs.BF16_X4_CLIP):
@@ -267,11 +279,15 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_case(case, case_providers(case, names), device, args, budget, env, progress)
     finally:
         progress.close()
+    pass_rows = run_passes(plan_name, device, backends, budget, env) if "passes" in args.sweeps else []
     env.update(other_cores=f"{load.stop():.2f}", loadavg_after=load.loadavg_after,
                wall_s=f"{time.perf_counter() - started:.0f}")
 
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
+    if pass_rows:
+        paths += streaming.write(pass_rows, args.out, "ampfused passes against the a += b stream", env, stem="passes")
+        print(streaming.markdown(pass_rows, "Passes against the a += b stream", env))
     print(report.markdown_summary(rows))
     print(report.load_line(env))
     print("wrote " + ", ".join(paths))

@@ -164,7 +164,7 @@ class Case:
         return self.sweeps == ("host",)
 
 
-SWEEPS = ("configs", "size", "tensors", "host")
+SWEEPS = ("configs", "size", "tensors", "host", "passes")
 # [note: host sweep] many tiny tensors, where the device work is ~0 and a step's time is the Python
 # and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
 # model with 2000 params, 16 elements each; with stable grads (autograd accumulating into the same
@@ -182,8 +182,15 @@ PLANS = {
 }
 
 
+# [note: passes sweep] each pass of the compiled backend alone against the a += b stream, at the
+# largest CPU size (ampfused/bench/streaming.py); 100M on a GPU keeps it within a 16 GB card.
+PASSES_NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
+PASSES_TENSORS = 4
+
+
 def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | None = None) -> list[Case]:
-    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
+    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order (the ``passes``
+    sweep has no cases: ``bench.py`` runs it after them)."""
     configs_total, size_totals, tensors_total = PLANS[name]
     if sizes:
         size_totals = sizes

@@ -5,4 +5,5 @@
 #define AMPFUSED_ISA_GETTER kernels_avx2
 #define AMPFUSED_GCC_TARGET AMPFUSED_AVX2_GCC_TARGET
 #define AMPFUSED_CLANG_TARGET AMPFUSED_AVX2_CLANG_TARGET
+#define AMPFUSED_VECTOR_BYTES 32  // kernels_impl.h keeps reduction lanes in vectors of this width
 #include "kernels_isa.h"

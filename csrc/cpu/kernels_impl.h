@@ -89,36 +89,46 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
 }
 
 // [note: non-finite lanes] `d += u - u` is 0 for every finite u and NaN from the first inf/NaN on,
-// so the flag costs one subtract and add per element. It runs as a second loop over the block
-// (8 KB for fp32, still in L1): fused into the sum-of-squares loop, GCC 12 vectorizes the pair of
-// lane arrays with a transpose per vector and the pass ran 4.5x slower (4.5 vs 1.0 ms per 4M fp32
-// elements on AVX-512). The identity holds because build_extension.py compiles every CPU file with
-// -ffp-contract=off (no fma can absorb the product into u - u: see [note: explicit finiteness] in
-// adamw_math.h for what happens otherwise); the GPU kernels test the exponent bits instead.
+// so the flag costs one subtract and add per element. The identity holds because build_extension.py
+// compiles every CPU file with -ffp-contract=off (no fma can absorb the product into u - u: see
+// [note: explicit finiteness] in adamw_math.h for what happens otherwise); the GPU kernels test the
+// exponent bits instead.
+//
+// [note: one read of each block] The sum of squares and the flag are taken in the same loop, on the
+// 16 lanes as native vectors (Vec: one zmm, two ymm or four xmm): each element is loaded once,
+// and the pass streams at the speed of a plain read (torch.sum's). With the lanes as two float[16]
+// arrays GCC 12 transposed them per vector (4.5x slower), so the flag had its own second loop over
+// the block, which re-read it from L1 and cost ~10% of the pass. The sums are the same: lane k
+// still adds elements k, k+16, ... of the block in order.
 constexpr int kLanes = 16;
 constexpr int64_t kSumBlock = 2048;  // float partials stay short; blocks are summed in double
+#if !defined(AMPFUSED_VECTOR_BYTES)
+#define AMPFUSED_VECTOR_BYTES 16  // the baseline build: SSE2 (set by the AVX2 / AVX-512 files)
+#endif
+// the 16 lanes as native vectors (1 zmm, 2 ymm or 4 xmm), so that they stay in registers
+typedef float Vec __attribute__((vector_size(AMPFUSED_VECTOR_BYTES)));
+constexpr int kVecLanes = AMPFUSED_VECTOR_BYTES / sizeof(float);
+constexpr int kVecs = kLanes / kVecLanes;
 
 // one kSumBlock block of g: its float sum of squares (16 lanes, then in order), and d += u - u
 template <typename T>
 AMPFUSED_HD float sumsq_block(const T* __restrict g, float inv, float& bad) {
-  float acc[kLanes] = {};
-  float d[kLanes] = {};
+  Vec acc[kVecs] = {};
+  Vec d[kVecs] = {};
   for (int64_t j = 0; j < kSumBlock; j += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const float u = to_float(g[j + k]) * inv;
-      acc[k] += u * u;
-    }
-  }
-  for (int64_t j = 0; j < kSumBlock; j += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const float u = to_float(g[j + k]) * inv;
-      d[k] += u - u;
+    float ub[kLanes];  // converted by a loop the compiler vectorizes, then moved into registers
+    for (int k = 0; k < kLanes; ++k) ub[k] = to_float(g[j + k]) * inv;
+    for (int v = 0; v < kVecs; ++v) {
+      Vec u;
+      std::memcpy(&u, ub + v * kVecLanes, sizeof u);
+      acc[v] += u * u;
+      d[v] += u - u;
     }
   }
   float block = 0.f;
   for (int k = 0; k < kLanes; ++k) {
-    block += acc[k];
-    bad += d[k];
+    block += acc[k / kVecLanes][k % kVecLanes];
+    bad += d[k / kVecLanes][k % kVecLanes];
   }
   return block;
 }

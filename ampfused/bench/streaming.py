@@ -1,0 +1,335 @@
+"""Large tensors: how fast each pass streams, and the whole step against torch fused.
+
+``python -m ampfused.bench.streaming`` (defaults: 50M fp32 params in 4 tensors, 1 and 2 threads):
+
+1. **passes**: every pass of the compiled backend alone (``torch.ops.ampfused.*``) and torch's own
+   passes (the fused AdamW step, ``_foreach_norm`` and ``_foreach_mul_`` of ``clip_grad_norm_``, a
+   plain read ``sum``), timed interleaved with the roofline stream ``a += b`` over the same number of
+   fp32 elements (``measure.interleaved``). Each gets its modeled bytes per element, GB/s and the
+   fraction of the roofline's GB/s. A read-only pass (stats, norm, sum) moves no write-back; on a
+   CPU core its GB/s is capped by the misses one core keeps in flight, below the ``a += b`` stream's
+   (the ``sum`` row shows that cap for stock torch).
+2. **steps**: the whole ``step()`` with fresh gradients each step (new ``p.grad`` tensors, written
+   just before the step outside the timing, as backward leaves them; ``p.grad = None`` after it):
+   torch fused vs ``FusedAmpAdamW(skip_nonfinite=False)`` (*plain*, one pass) and the default
+   (*guard*, stats + update), and ``clip_grad_norm_`` + torch fused vs ``max_grad_norm=1.0``
+   (*clip*). One step of every provider per round, the order rotated each round; then every
+   provider's params and moments are checked against its torch counterpart.
+
+Writes ``streaming.csv`` and ``streaming.md`` to ``--out`` and prints the tables with the load of
+the machine (load average, and the cores other processes kept busy: ``environment.Load``).
+``python -m ampfused bench`` runs part 1 as its ``passes`` sweep (``pass_rows``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+import torch
+
+import ampfused
+
+from . import cli, measure
+from .configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
+from .environment import Load, environment, loadavg
+
+COLUMNS = ["date", "hardware", "torch", "ampfused", "clock", "section", "threads", "numel", "tensors", "name", "bytes_per_elem",
+           "median_ms", "p20_ms", "p80_ms", "samples", "unstable", "gbps", "roofline_gbps", "roofline_frac",
+           "baseline", "speedup_vs_baseline", "loadavg_before", "loadavg_after", "other_cores"]
+
+
+# ---------------------------------------------------------------- 1. passes
+
+
+class PassBench:
+    """Tensors and timed functions of every pass over ``sizes`` fp32 elements (shared where a pass only
+    reads them or where mutating them keeps every value finite)."""
+
+    def __init__(self, sizes: list[int], device: torch.device, backend_name: str = "cpu"):
+        from ampfused import _backends
+        from ampfused.functional import Hyper
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.backend = _backends.resolve(backend_name, device)[0]
+        randn = lambda n, std: torch.randn(n, generator=gen, device=device).mul_(std)  # noqa: E731
+        self.params = [randn(n, 0.02) for n in sizes]
+        self.grads = [randn(n, GRAD_STD) for n in sizes]
+        self.exp_avgs = [torch.zeros(n, device=device) for n in sizes]
+        self.exp_avg_sqs = [torch.zeros(n, device=device) for n in sizes]
+        self.steps = [torch.zeros((), device=device) for _ in sizes]
+        self.low = [p.to(torch.bfloat16) for p in self.params]  # bf16 params (their masters: self.params)
+        self.low_grads = [g.to(torch.bfloat16) for g in self.grads]
+        self.hypers = [Hyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, False, False)] * len(sizes)
+        self.none = [None] * len(sizes)
+        self.stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=device)  # not skipped, factor 1
+        self.grad_scale = torch.ones((), device=device)
+        self.norm_stats = torch.empty(4, device=device)
+        self.torch_params = [torch.nn.Parameter(p.clone()) for p in self.params]
+        for p, g in zip(self.torch_params, self.grads):
+            p.grad = g  # read only by the fused step
+        self.torch_opt = torch.optim.AdamW(self.torch_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                           fused=True)
+        self.torch_opt.step()  # its lazy state
+
+    def update(self, params, masters, grad_scale=None) -> None:
+        self.backend.adamw_update_(params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.none, self.steps, masters,
+                                   self.hypers, self.stats, grad_scale=grad_scale)
+
+    def functions(self) -> dict[str, tuple[float, object]]:
+        """name -> (modeled bytes per element, fn). Every update leaves the grads as they were (a unit
+        scale writes them back unchanged)."""
+        b = self
+        return {
+            "stats: read g (fp32)": (4, lambda: b.backend.grad_stats_(b.grads, None, None, MAX_GRAD_NORM, b.norm_stats)),
+            "update: fp32 param, g, m, v in place": (28, lambda: b.update(b.params, b.none)),
+            "update + unscaled g written back": (32, lambda: b.update(b.params, b.none, b.grad_scale)),
+            "update: bf16 param, fp32 master": (30, lambda: b.update(b.low, b.params)),
+            "accumulate: fp32 += bf16": (10, lambda: [b.backend.accumulate_(g, lg) for g, lg in zip(b.grads, b.low_grads)]),
+            "torch fused AdamW step (fp32)": (28, b.torch_opt.step),
+            "torch _foreach_norm (clip's read)": (4, lambda: torch._foreach_norm(b.grads)),
+            "torch _foreach_mul_ (clip's scale)": (8, lambda: torch._foreach_mul_(b.grads, 1.0)),
+            "torch sum (a plain read)": (4, lambda: [g.sum() for g in b.grads]),
+        }
+
+
+def pass_rows(numel: int, tensors: int, device: torch.device, budget: measure.Budget, env: dict,
+              backend_name: str = "cpu", clock=time.perf_counter) -> list[dict]:
+    """Part 1 at the current thread count: one row per pass (and the roofline's own)."""
+    sizes = [numel // tensors] * tensors
+    sizes[0] += numel - sum(sizes)
+    bench = PassBench(sizes, device, backend_name)
+    roofline = measure.DeviceCopy(12 * numel, device)  # a += b over numel fp32 elements
+    fns = {name: fn for name, (_, fn) in bench.functions().items()}
+    fns["roofline: a += b (fp32)"] = roofline.fn
+    load = Load().start()
+    timings = measure.interleaved(fns, device, budget, clock=clock)
+    other = load.stop()
+    roof = timings["roofline: a += b (fp32)"]
+    roof_gbps = roofline.gbps(roof) if not roof.error else math.nan
+    rows = []
+    per_elem = {name: nbytes for name, (nbytes, _) in bench.functions().items()}
+    per_elem["roofline: a += b (fp32)"] = 12
+    for name, t in timings.items():
+        row = _row(env, "passes", numel, tensors, name, per_elem[name], t, load, other)
+        row.update(roofline_gbps=roof_gbps, roofline_frac=row["gbps"] / roof_gbps if row["gbps"] != "" else "")
+        rows.append(row)
+    return rows
+
+
+def _row(env, section, numel, tensors, name, nbytes, t: measure.Timing, load: Load, other: float) -> dict:
+    row = {c: "" for c in COLUMNS}
+    row.update({k: v for k, v in env.items() if k in row})
+    row.update(section=section, numel=numel, tensors=tensors, name=name, bytes_per_elem=nbytes,
+               loadavg_before=load.loadavg_before, loadavg_after=load.loadavg_after, other_cores=other)
+    if t.error:
+        row.update(unstable=f"error: {t.error}")
+        return row
+    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, samples=t.samples, unstable=t.unstable,
+               gbps=nbytes * numel / (t.median_ms * 1e-3) / 1e9)
+    return row
+
+
+# ---------------------------------------------------------------- 2. steps
+
+STEP_PROVIDERS = {  # name: (baseline it is compared with, modeled bytes per element)
+    "torch-fused": ("", 28),
+    "ampfused-plain": ("torch-fused", 28),
+    "ampfused-guard": ("torch-fused", 32),
+    "torch-fused+clip": ("", 40),
+    "ampfused+clip": ("torch-fused+clip", 32),
+}
+
+
+class StepProvider:
+    def __init__(self, name: str, init: list[torch.Tensor]):
+        self.name = name
+        self.params = [torch.nn.Parameter(t.clone()) for t in init]
+        hypers = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        if name.startswith("torch"):
+            self.opt = torch.optim.AdamW(self.params, fused=True, **hypers)
+        else:
+            self.opt = ampfused.FusedAmpAdamW(self.params, skip_nonfinite=name != "ampfused-plain", backend="cpu",
+                                              max_grad_norm=MAX_GRAD_NORM if name.endswith("+clip") else None, **hypers)
+        self.clip = name == "torch-fused+clip"
+
+    def step(self) -> None:
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, MAX_GRAD_NORM, foreach=True)
+        self.opt.step()
+
+    def moments(self, p):
+        return self.opt.state[p]["exp_avg"], self.opt.state[p]["exp_avg_sq"]
+
+
+def step_rows(numel: int, tensors: int, rounds: int, env: dict, clock=time.perf_counter) -> list[dict]:
+    """Part 2 at the current thread count (CPU): one row per provider."""
+    sizes = [numel // tensors] * tensors
+    sizes[0] += numel - sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=gen).mul_(0.02) for n in sizes]
+    grads = [torch.randn(n, generator=gen).mul_(GRAD_STD) for n in sizes]  # norm >> 1: clipping engages
+    providers = [StepProvider(name, init) for name in STEP_PROVIDERS]
+    del init
+    samples: dict[str, list[float]] = {p.name: [] for p in providers}
+    load = Load().start()
+    for r in range(rounds + 1):  # round 0 builds the lazy state and is not timed
+        k = r % len(providers)
+        for provider in providers[k:] + providers[:k]:
+            for p, g in zip(provider.params, grads):
+                p.grad = g.clone()  # fresh: new pages, written just now (as backward leaves them)
+            start = clock()
+            provider.step()
+            elapsed = clock() - start
+            for p in provider.params:
+                p.grad = None
+            if r:
+                samples[provider.name].append(elapsed * 1e3)
+    other = load.stop()
+    by_name = {p.name: p for p in providers}
+    for p in providers:
+        baseline = STEP_PROVIDERS[p.name][0]
+        if baseline:
+            _check_same(by_name[baseline], p)
+    budget = measure.Budget(0.0, 0.0, min_samples=min(rounds, 10))
+    timings = {name: measure.summarize(ts, budget) for name, ts in samples.items()}
+    rows = []
+    for name, t in timings.items():
+        baseline, nbytes = STEP_PROVIDERS[name]
+        row = _row(env, "steps", numel, tensors, name, nbytes, t, load, other)
+        if baseline:
+            row.update(baseline=baseline, speedup_vs_baseline=timings[baseline].median_ms / t.median_ms)
+        rows.append(row)
+    return rows
+
+
+def _check_same(reference: StepProvider, other: StepProvider) -> None:
+    """The same steps on the same gradients: params and moments agree with stock torch's.
+
+    [note: torch's clip norm] With clipping the two sides scale the gradient by different
+    coefficients: ``clip_grad_norm_``'s float ``_foreach_norm`` is off by up to ~5e-4 (relative) at
+    12.5M elements a tensor (torch 2.13, CPU), ampfused sums in double blocks. Moments scale with the
+    coefficient (rtol 1e-3); the params move by lr * m/(sqrt(v) + eps), where only eps keeps the
+    coefficient from cancelling, so they stay within 2e-6 a step."""
+    clip = other.name.endswith("+clip")
+    steps = int(reference.opt.state[reference.params[0]]["step"])
+    p_tol = dict(rtol=1e-5, atol=2e-6 * steps) if clip else dict(rtol=1e-5, atol=1e-7)
+    m_tol = dict(rtol=1e-3, atol=1e-9) if clip else dict(rtol=1e-5, atol=1e-9)
+    for p_ref, p in zip(reference.params, other.params):
+        torch.testing.assert_close(p, p_ref, **p_tol, msg=lambda m: f"{other.name} params differ: {m}")
+        for got, want in zip(other.moments(p), reference.moments(p_ref)):
+            torch.testing.assert_close(got, want, **m_tol, msg=lambda m: f"{other.name} moments differ: {m}")
+
+
+# ---------------------------------------------------------------- output
+
+
+def cpu_clock(threads: int):
+    """[note: CPU-time clock] On a machine other jobs keep busy, wall time counts the time a step waited
+    for a core. This clock counts only the CPU time of this process's threads, divided by the thread
+    count: exact for one thread (everything runs on the caller). At more threads only a rough guide,
+    wrong either way: a worker spinning at a barrier for a preempted partner is counted, a worker
+    asleep while a serial part runs on one thread (torch's _foreach_norm: 2x "faster") is not."""
+    if threads == 1:
+        return time.thread_time
+    return lambda: time.process_time() / threads
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value == "" or value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def pass_table(rows: list[dict]) -> str:
+    lines = ["| threads | pass | B/elem | ms median (p20–p80) | GB/s | % of a += b | timing | load avg | other cores |",
+             "|---:|---|---:|---|---:|---:|---|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {_ms(r)} | {_fmt(r['gbps'], '.1f')} | "
+                     f"{_fmt(r['roofline_frac'] * 100 if r['roofline_frac'] != '' else '', '.0f')} | "
+                     f"{r['unstable'] or 'stable'} | {r['loadavg_before']} | {_fmt(r['other_cores'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def step_table(rows: list[dict]) -> str:
+    lines = ["| threads | step | B/elem | ms median (p20–p80) | GB/s | × baseline | timing | load avg | other cores |",
+             "|---:|---|---:|---|---:|---|---|---|---:|"]
+    for r in rows:
+        ratio = f"{r['speedup_vs_baseline']:.2f} × {r['baseline']}" if r["baseline"] else "(baseline)"
+        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {_ms(r)} | {_fmt(r['gbps'], '.1f')} | "
+                     f"{ratio} | {r['unstable'] or 'stable'} | {r['loadavg_before']} | {_fmt(r['other_cores'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def _ms(r) -> str:
+    if r["median_ms"] == "":
+        return "–"
+    return f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}–{r['p80_ms']:.1f})"
+
+
+def write(rows: list[dict], out: str, title: str, env: dict, stem: str = "streaming") -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{stem}.csv"), os.path.join(out, f"{stem}.md")]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    with open(paths[1], "w") as f:
+        f.write(markdown(rows, title, env) + "\n")
+    return paths
+
+
+def markdown(rows: list[dict], title: str, env: dict) -> str:
+    parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
+             f"- versions: torch {env['torch']}, ampfused {env['ampfused']}",
+             f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, ampfused/bench/streaming.py "
+             "[note: CPU-time clock])", ""]
+    passes = [r for r in rows if r["section"] == "passes"]
+    steps = [r for r in rows if r["section"] == "steps"]
+    if passes:
+        parts += [f"## Passes at {human(passes[0]['numel'])} fp32 elements in {passes[0]['tensors']} tensors", "",
+                  pass_table(passes), ""]
+    if steps:
+        parts += [f"## Steps at {human(steps[0]['numel'])} params in {steps[0]['tensors']} tensors, fresh gradients "
+                  "each step", "", step_table(steps), ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ampfused.bench.streaming", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=cli.parse_size, default=50_000_000, help="fp32 params in all (default 50M)")
+    parser.add_argument("--tensors", type=cli.positive_int, default=4, help="tensors they are split into (default 4)")
+    parser.add_argument("--threads", type=cli.size_list, default=(1, 2), help="thread counts (default 1,2)")
+    parser.add_argument("--rounds", type=cli.positive_int, default=15, help="timed steps per provider (default 15)")
+    parser.add_argument("--parts", type=cli.choice_list(("passes", "steps")), default=("passes", "steps"))
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: perf_counter; cpu: the CPU time of this process per thread (exact at 1 thread; see cpu_clock)")
+    parser.add_argument("--out", default="bench-results/streaming", help="output folder")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu")
+    torch.set_flush_denormal(True)
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        env = environment(device, threads)
+        env["clock"] = args.clock
+        clock = cpu_clock(threads) if args.clock == "cpu" else time.perf_counter
+        print(f"{threads} thread(s): {env['hardware']}; load average {loadavg()}", flush=True)
+        if "passes" in args.parts:
+            part = pass_rows(args.size, args.tensors, device, measure.Budget(0.3, 1.5, min_samples=10), env, clock=clock)
+            print(pass_table(part), flush=True)
+            rows += part
+        if "steps" in args.parts:
+            part = step_rows(args.size, args.tensors, args.rounds, env, clock=clock)
+            print(step_table(part), flush=True)
+            rows += part
+    env = dict(environment(device, torch.get_num_threads()), clock=args.clock)
+    paths = write(rows, args.out, "Large tensors: passes and steps", env)
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
