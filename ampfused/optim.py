@@ -171,7 +171,7 @@ class FusedAmpAdamW(Optimizer):
         backend = self._backend.NAME if self._backend is not None else (self._backend_name or "auto (resolved at the first step)")
         lines.insert(1, f"  backend: {backend}, max_grad_norm: {self.max_grad_norm}, "
                         f"skip_nonfinite: {self.skip_nonfinite}, keep_scaled_grads: {self.keep_scaled_grads}, "
-                        f"master weights ({self._master_mode}): {masters} of {len(low)} fp16/bf16 params, "
+                        f"{self._master_mode} master weights: {masters} of {len(low)} fp16/bf16 params, "
                         f"state_dtype: {_state_dtype_name(self._moments)}, stochastic_rounding: {self.stochastic_rounding}, "
                         f"fp32 grad accumulation: {accumulated} of {len(low)}")
         return "\n".join(lines)

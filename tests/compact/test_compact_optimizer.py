@@ -425,7 +425,7 @@ def test_options_survive_repr_pickle_and_deepcopy(master_weights, state_dtype):
                                  backend="reference")
     run(opt, params, 2)
     text = repr(opt)
-    assert f"({master_weights})" in text and "stochastic_rounding: True" in text
+    assert f"{master_weights} master weights" in text and "stochastic_rounding: True" in text
     assert ("int8" if state_dtype == "int8" else "bfloat16") in text
     for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert (copied.master_weights, copied.state_dtype, copied.stochastic_rounding) == (master_weights, state_dtype, True)
