@@ -45,16 +45,51 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
 
 
 def check_options(lr, betas, eps, weight_decay, *, max_grad_norm, skip_nonfinite, keep_scaled_grads, differentiable,
-                  backend) -> None:
+                  backend, master_weights=None, state_dtype=None, stochastic_rounding=False) -> None:
     """FusedAmpAdamW's constructor arguments (``fused_amp_adamw`` checks its flags with :func:`check_flag`)."""
     check_hyperparameters(lr, betas, eps, weight_decay)
     check_max_grad_norm(max_grad_norm)
     check_flag(skip_nonfinite, "skip_nonfinite")
     check_flag(keep_scaled_grads, "keep_scaled_grads")
+    master_mode(master_weights)
+    state_encoding(state_dtype)
+    check_flag(stochastic_rounding, "stochastic_rounding")
     if differentiable:
         raise ValueError("differentiable=True is not supported by FusedAmpAdamW")
     if backend is not None:
         _backends.check_name(backend)
+
+
+def master_mode(master_weights) -> str:
+    """``master_weights`` as one of "fp32", "split16", "split8", "none" (DESIGN §9); raises on anything else."""
+    if master_weights is None or master_weights is True or master_weights == "fp32":
+        return "fp32"
+    if master_weights is False:
+        return "none"
+    if isinstance(master_weights, str) and master_weights in ("split16", "split8"):
+        return master_weights
+    raise ValueError(f'master_weights must be None, True, "fp32", "split16", "split8" or False, got {master_weights!r}')
+
+
+def state_encoding(state_dtype):
+    """``state_dtype`` as torch.float32, torch.bfloat16 or "int8" (DESIGN §9); raises on anything else."""
+    if state_dtype is None or state_dtype is torch.float32:
+        return torch.float32
+    if state_dtype is torch.bfloat16 or (isinstance(state_dtype, str) and state_dtype == "int8"):
+        return state_dtype
+    raise ValueError(f'state_dtype must be None, torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
+
+
+def check_param_modes(p, mode: str, moments) -> None:
+    """A param the compact modes can serve: split16 completes bf16 params only; blockwise int8 moments
+    need the whole tensor (a DTensor's local shard would cut the blocks)."""
+    if mode == "split16" and p.dtype == torch.float16:
+        raise ValueError('master_weights="split16" stores the low 16 bits of a bf16 param\'s fp32 master and has no '
+                         'fp16 form: use master_weights="split8" (1 B/param) or "fp32" for fp16 params')
+    if moments == "int8" and _dtensor.is_dtensor(p):
+        raise ValueError('state_dtype="int8" with a DTensor (FSDP2) parameter: blockwise scales of a local shard cannot '
+                         'be resharded; use state_dtype=torch.bfloat16, or convert checkpoints with '
+                         'ampfused.checkpoint.to_torch_state_dict')
 
 
 def check_flag(value, name: str) -> None:
@@ -124,3 +159,33 @@ def check_grad(p: Tensor, grad: Tensor) -> None:
             "bfloat16 gradients")
     if grad.device != p.device:
         raise RuntimeError(f"gradient on {grad.device} for a parameter on {p.device}")
+
+
+def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, moment_scales, rounding_seed) -> None:
+    """The functional API's compact state (encodings told by dtypes, ``_contract.Backend``): consistent per tensor."""
+    if rounding_seed is not None and (isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int)):
+        raise TypeError(f"rounding_seed must be an int or None, got {type(rounding_seed).__name__}")
+    if moment_scales is not None and len(moment_scales) != len(params):
+        raise ValueError(f"moment_scales has {len(moment_scales)} entries for {len(params)} tensors")
+    for i, p in enumerate(params):
+        master, m, v, vmax = masters[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i]
+        if master is not None and master.dtype == torch.int16 and p.dtype != torch.bfloat16:
+            raise ValueError(f"master_params[{i}] is int16 (split16 low bits) but its param is {p.dtype}: split16 needs bf16 params")
+        if master is not None and master.dtype == torch.int8 and p.dtype not in LOW_PRECISION:
+            raise ValueError(f"master_params[{i}] is int8 (split8 residual) but its param is {p.dtype}: split8 needs fp16/bf16 params")
+        if master is not None and master.dtype not in (torch.float32, torch.int16, torch.int8):
+            raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected float32, int16 (split16) or int8 (split8)")
+        scales = moment_scales[i] if moment_scales is not None else None
+        if m.dtype == torch.int8:
+            if v.dtype != torch.uint8 or (vmax is not None and vmax.dtype != torch.uint8):
+                raise ValueError(f"exp_avgs[{i}] holds int8 codes: exp_avg_sqs[{i}] (and max_exp_avg_sqs[{i}]) must be uint8 codes")
+            blocks = -(-p.numel() // 256)
+            if (scales is None or len(scales) != 3 or any(s is not None and (s.dtype != torch.float32 or s.numel() != blocks) for s in scales)
+                    or scales[0] is None or scales[1] is None or ((vmax is None) != (scales[2] is None))):
+                raise ValueError(f"tensor {i} has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
+                                 f"max_exp_avg_sq_scales or None), fp32 tensors of {blocks} blocks")
+        else:
+            if scales is not None:
+                raise ValueError(f"moment_scales[{i}] is given but exp_avgs[{i}] is {m.dtype}, not int8 codes")
+            if m.dtype in (torch.bfloat16, torch.float32) and (v.dtype != m.dtype or (vmax is not None and vmax.dtype != m.dtype)):
+                raise ValueError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}: one state dtype per tensor")

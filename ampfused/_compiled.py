@@ -145,7 +145,11 @@ class CompiledBackend:
                                       self._scratch_buffer(scratch, stats.device), check_nonfinite)
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                      stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
+                      stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
+                      rounding_seed: int | None = None) -> None:
+        if moment_scales is not None or rounding_seed is not None:  # no COMPACT_MODES: run_step never passes them
+            raise NotImplementedError(f"the {self.NAME} backend has no compact-state variant: "
+                                      "functional.run_step hands compact tensors to the reference passes")
         # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
         lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
         lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]

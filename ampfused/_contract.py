@@ -116,7 +116,8 @@ class Backend(Protocol):
     def adamw_update_(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                       exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
                       masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper], stats: Tensor,
-                      *, scratch=None, grad_scale: Tensor | None = None) -> None:
+                      *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
+                      rounding_seed: int | None = None) -> None:
         """One AdamW step over parallel per-tensor lists, in one launch.
 
         ``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param has no AMSGrad buffer /
@@ -127,6 +128,20 @@ class Backend(Protocol):
         gradient ``g * inv_scale`` is written back into ``grads[i]`` (what torch's fused AdamW
         leaves in ``p.grad``). The grads come validated (``ampfused._args.check_grad``): same
         shape, device and memory layout as their param, a kernel dtype. ``scratch``: as above.
+
+        Compact state (DESIGN §9; ``ampfused._compact`` specifies every encoding) is told by dtypes:
+        ``masters[i]`` fp32 (a master copy), int16 (split16 low bits, bf16 params) or int8 (split8
+        residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
+        ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
+        memory order) come in ``moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
+        max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
+        ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
+        without an exact master (bf16 moments, bf16 params without master) stochastically, with bits
+        derived from (seed, i, element). A skipped step writes no buffer, compact ones included.
+        A backend lists the encodings it serves in ``COMPACT_MODES`` (a subset of {"split16", "split8",
+        "bf16", "int8", "sr"}; missing means none): ``functional.run_step`` hands the tensors whose
+        encodings it lacks to ``ampfused.reference`` in the same step, and passes ``moment_scales`` /
+        ``rounding_seed`` to a backend only when its share needs them.
         """
 
     def scaler_update_(self, found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,

@@ -11,7 +11,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dtensor
 from ._args import check_grad
 from ._contract import Hyper, is_dense
-from ._state import wide_indices
+from ._state import master_of, moment_key, scales_of, wide_indices
 
 
 def grads_to_step(param_groups, param_dtypes: dict, device) -> list[tuple[Tensor, Tensor, dict]]:
@@ -76,12 +76,17 @@ class StepPlan:
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
         self.states = states = [state[p] for p in self.params]
-        self.exp_avgs = [s["exp_avg"] for s in states]
-        self.exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        self.max_exp_avg_sqs = [s.get("max_exp_avg_sq") if g["amsgrad"] else None for s, (_, _, g) in zip(states, work)]
+        # [note: compact state] int8 moments step as their codes (their scales ride in moment_scales)
+        self.exp_avgs = [s[moment_key(s, "exp_avg")] for s in states]
+        self.exp_avg_sqs = [s[moment_key(s, "exp_avg_sq")] for s in states]
+        self.max_exp_avg_sqs = [s.get(moment_key(s, "max_exp_avg_sq")) if g["amsgrad"] else None
+                                for s, (_, _, g) in zip(states, work)]
         self.steps = [s["step"] for s in states]
-        self.masters = [s.get("master_param") for s in states]
+        self.masters = [master_of(s) for s in states]
+        scales = [scales_of(s, g["amsgrad"]) for s, (_, _, g) in zip(states, work)]
+        self.moment_scales = scales if any(x is not None for x in scales) else None
         self.wide = wide_indices(self.params)  # float64/complex: the reference passes' share
+        self.fallback: dict = {}  # (backend name, stochastic) -> the indices the reference passes serve
         # [note: groups once] the param groups with work, in order, and each tensor's index among them
         index: dict[int, int] = {}
         self.stepping_groups = []

@@ -12,8 +12,8 @@ tensor covers one block of ``numel`` elements, and with equal strides element ``
 the same logical element in param, grad and every state tensor, so the passes stay element-wise
 over flat memory.
 
-This is where a state encoding other than fp32 plugs in: the buffers' dtype and what a view is are
-decided here, and nowhere else.
+The compact encodings (DESIGN §9, ``_compact``) plug in here: the buffers' dtype and what a view is
+are decided here (:func:`state_keys`), and nowhere else.
 """
 from __future__ import annotations
 
@@ -23,12 +23,15 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import _dtensor
+from . import _compact, _dtensor
 from ._args import LOW_PRECISION
 from ._contract import KERNEL_DTYPES, is_dense
 
 ALIGN_BYTES = 128
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")  # the fp32 modes' (torch's) keys
+MOMENTS = _compact.MOMENTS
+MASTER_KEYS = {"master_param": torch.float32, "master_low16": torch.int16, "master_residual8": torch.int8}
+MASTER_DTYPES = {"fp32": torch.float32, "split16": torch.int16, "split8": torch.int8}
 
 
 def wide_indices(params: Sequence[Tensor]) -> list[int]:
@@ -72,15 +75,64 @@ class FlatBuffer:
 
 
 def uses_master(p: Tensor, master_weights) -> bool:
-    """Whether ``p`` gets an fp32 master copy (``master_weights``: the optimizer's option)."""
+    """Whether ``p`` gets a master (fp32 or split; ``master_weights``: the optimizer's option as given)."""
     return p.dtype in LOW_PRECISION and master_weights is not False
+
+
+def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.dtype]:
+    """The flat state of a kernel-dtype ``p`` under the optimizer's modes: key -> dtype (``_compact``'s keys).
+
+    ``mode``/``moments``: ``_args.master_mode`` / ``_args.state_encoding`` of the options. ``*_scales``
+    keys are fp32 vectors of ``ceil(numel / BLOCK)`` blocks, every other key has ``p``'s shape.
+    """
+    names = MOMENTS if amsgrad else MOMENTS[:2]
+    if moments == "int8" and p.numel() >= _compact.SMALL_TENSOR_NUMEL:
+        keys = {}
+        for name in names:
+            keys[name + "_codes"] = torch.int8 if name == "exp_avg" else torch.uint8
+            keys[name + "_scales"] = torch.float32
+    else:
+        dtype = torch.bfloat16 if moments is torch.bfloat16 else torch.float32
+        keys = dict.fromkeys(names, dtype)
+    if p.dtype in LOW_PRECISION and mode != "none":
+        keys[_compact.MASTER_KEYS[mode]] = MASTER_DTYPES[mode]
+    return keys
+
+
+def moment_key(state: dict, name: str) -> str:
+    """The key holding moment ``name`` (``exp_avg``, ...) in ``state``: itself, or its int8 codes."""
+    return name if name in state or name + "_codes" not in state else name + "_codes"
+
+
+def master_of(state: dict) -> Tensor | None:
+    """The master tensor of a state (fp32, int16 low bits or int8 residual), None without master."""
+    for key in MASTER_KEYS:
+        if key in state:
+            return state[key]
+    return None
+
+
+def scales_of(state: dict, amsgrad: bool) -> tuple | None:
+    """``(exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` of int8 moments, else None."""
+    if "exp_avg_scales" not in state:
+        return None
+    return state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales") if amsgrad else None
+
+
+def _like(p: Tensor, key: str) -> Tensor:
+    """A meta tensor with the shape and strides the flat view of ``key`` takes for ``p``."""
+    if key.endswith("_scales"):
+        return torch.empty(-(-p.numel() // _compact.BLOCK), device="meta")
+    return p
 
 
 class StateRoom:
     """The flat state of one optimizer, laid out over its param groups and filled lazily.
 
     Holds its optimizer weakly (the optimizer's finalizers must run when the user drops it) and reads
-    ``param_groups``, ``state``, its device and ``master_weights`` from it at each layout.
+    ``param_groups``, ``state``, its device and modes (``_master_mode``, ``_moments``) from it at each layout.
+    [note: compact state] each key of ``state_keys`` has one dtype, so a flat buffer per key is a flat
+    buffer per dtype; int8 codes and their scales get buffers (and 128-byte aligned views) of their own.
     """
 
     def __init__(self, owner):
@@ -89,31 +141,37 @@ class StateRoom:
         self.steps: Tensor | None = None
         self.index: dict[Tensor, int] = {}
         self.slots: dict[str, dict] = {}
+        self.amsgrad: set = set()  # ids of the params laid out with AMSGrad state
         self.masters_pending: list[Tensor] = []  # loaded without master_param: copied from p at the next step
 
     def invalidate(self) -> None:
         """New params: the flat state is laid out again at the next step."""
         self.flat = None
 
+    def keys(self, p: Tensor, amsgrad: bool) -> dict[str, torch.dtype]:
+        opt = self._owner()
+        return state_keys(p, opt._master_mode, opt._moments, amsgrad)
+
     def layout(self) -> None:
         """Allocate flat state for every param (old contents copied) and re-point the state views."""
         opt = self._owner()
         device = opt._device
         params = [p for g in opt.param_groups for p in g["params"]]
-        amsgrad = [p for g in opt.param_groups if g["amsgrad"] for p in g["params"]]
-        masters = [p for p in params if uses_master(p, opt.master_weights)]
+        amsgrad = {id(p) for g in opt.param_groups if g["amsgrad"] for p in g["params"]}
         local = _dtensor.local_tensors  # [distributed] flat storage holds DTensor params' local shards
-        flat_params, flat_amsgrad = ([p for p in ps if p.dtype in KERNEL_DTYPES] for ps in (params, amsgrad))
-        flat = {"exp_avg": FlatBuffer(local(flat_params), device), "exp_avg_sq": FlatBuffer(local(flat_params), device)}
-        if flat_amsgrad:
-            flat["max_exp_avg_sq"] = FlatBuffer(local(flat_amsgrad), device)
-        if masters:
-            flat["master_param"] = FlatBuffer(local(masters), device)
+        members: dict[str, list] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for p in params:
+            if p.dtype not in KERNEL_DTYPES:
+                continue
+            for key, dtype in self.keys(p, id(p) in amsgrad).items():
+                members.setdefault(key, []).append(p)
+                dtypes[key] = dtype
+        flat = {key: FlatBuffer([_like(t, key) for t in local(ps)], device, dtypes[key]) for key, ps in members.items()}
         steps = torch.zeros(len(params), dtype=torch.float32, device=device)
         index = {p: i for i, p in enumerate(params)}
-        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in (
-            ("exp_avg", flat_params), ("exp_avg_sq", flat_params), ("max_exp_avg_sq", flat_amsgrad), ("master_param", masters))}
-        slots["max_exp_avg_sq"].update((p, None) for p in amsgrad if p.dtype not in KERNEL_DTYPES)
+        slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in members.items()}
+        slots.setdefault("max_exp_avg_sq", {}).update((p, None) for p in params if id(p) in amsgrad and p.dtype not in KERNEL_DTYPES)
         for p, state in opt.state.items():
             if not state:
                 continue
@@ -121,48 +179,54 @@ class StateRoom:
             state["step"] = steps[index[p]]
             if p.dtype not in KERNEL_DTYPES:  # [note: wide params] their state keeps its own tensors
                 continue
-            for key in MOMENT_KEYS:
-                if key in state:
+            for key in list(state):
+                if key != "step" and key in slots and p in slots[key]:
                     view = flat[key].views[slots[key][p]]
                     view.copy_(_dtensor.local(state[key]))
-                    state[key] = _dtensor.like_param(view, p)
-        self.flat, self.steps, self.index, self.slots = flat, steps, index, slots
+                    state[key] = view if key.endswith("_scales") else _dtensor.like_param(view, p)
+        self.flat, self.steps, self.index, self.slots, self.amsgrad = flat, steps, index, slots, amsgrad
         opt._plan = None  # the cached lists hold the old views
 
     def view(self, key: str, p: Tensor) -> Tensor:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
         if p.dtype not in KERNEL_DTYPES:  # [note: wide params] a tensor of its own, in the param's dtype
             return torch.zeros_like(p, memory_format=torch.preserve_format)
-        return _dtensor.like_param(self.flat[key].views[self.slots[key][p]], p)
+        view = self.flat[key].views[self.slots[key][p]]
+        return view if key.endswith("_scales") else _dtensor.like_param(view, p)
 
     def init(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
 
-        A param whose group turned ``amsgrad`` on after it was stepped keeps its state and only
-        gains a zero ``max_exp_avg_sq`` (where torch.optim.AdamW would raise a KeyError).
+        Zero moments (zero codes and scales decode to zero); an fp32 master copied from ``p``, a split
+        master's stored bits zero (the master is ``p`` exactly). A param whose group turned ``amsgrad``
+        on after it was stepped keeps its state and only gains a zero ``max_exp_avg_sq`` (where
+        torch.optim.AdamW would raise a KeyError).
         """
         opt = self._owner()
-        if self.flat is None or p not in self.index or (amsgrad and p not in self.slots["max_exp_avg_sq"]):
+        if self.flat is None or p not in self.index or (amsgrad and id(p) not in self.amsgrad):
             self.layout()
         state = opt.state[p]
+        wide = p.dtype not in KERNEL_DTYPES
+        keys = {k: None for k in MOMENTS[:2]} if wide else self.keys(p, False)
         if not state:
             state["step"] = self.steps[self.index[p]].zero_()
-            state["exp_avg"] = self.view("exp_avg", p).zero_()
-            state["exp_avg_sq"] = self.view("exp_avg_sq", p).zero_()
-            if uses_master(p, opt.master_weights):
-                state["master_param"] = self.view("master_param", p)
+            for key in keys:
+                state[key] = self.view(key, p).zero_()
+            if "master_param" in state:
                 _dtensor.copy_local_(state["master_param"], p)
-        if amsgrad and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = self.view("max_exp_avg_sq", p).zero_()
+        if amsgrad and moment_key(state, "max_exp_avg_sq") not in state:
+            extra = {"max_exp_avg_sq": None} if wide else {k: v for k, v in self.keys(p, True).items() if k not in keys}
+            for key in extra:
+                state[key] = self.view(key, p).zero_()
 
     def prepare(self, work) -> None:
         """Lazy state for every ``(param, grad, group)`` about to step; state follows a param's memory format."""
         state_of = self._owner().state
         for p, _, group in work:  # may re-lay out the flat state: finish before the plan takes views
             state = state_of[p]
-            if not state or (group["amsgrad"] and "max_exp_avg_sq" not in state):
+            if not state or (group["amsgrad"] and moment_key(state, "max_exp_avg_sq") not in state):
                 self.init(p, group["amsgrad"])
-            elif state["exp_avg"].stride() != p.stride():  # memory format changed: state follows the param
+            elif state[moment_key(state, "exp_avg")].stride() != p.stride():  # memory format changed: state follows the param
                 self.layout()
 
     def copy_pending_masters(self) -> None:

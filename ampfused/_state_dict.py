@@ -1,4 +1,5 @@
-"""FusedAmpAdamW's state dicts: torch.optim.AdamW's format both ways, validated before any write.
+"""FusedAmpAdamW's state dicts: torch.optim.AdamW's format both ways (and the compact form of DESIGN §9),
+validated before any write.
 
 :func:`validate` is pure: it reads a state dict against the optimizer's groups and raises before
 anything changes. :func:`apply` then writes it: group options, and state copied into fresh flat
@@ -15,7 +16,8 @@ from typing import NamedTuple
 import torch
 from torch.optim import Optimizer
 
-from . import _dtensor
+from . import _compact, _dtensor
+from ._contract import KERNEL_DTYPES
 from ._state import MOMENT_KEYS
 
 # [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
@@ -47,8 +49,15 @@ def state_dict(opt: Optimizer) -> dict:
     return result
 
 
-def validate(param_groups: list, state_dict: dict) -> Checked:
-    """Check ``state_dict`` against ``param_groups`` without writing anything; raises ValueError."""
+def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
+    """Check ``state_dict`` against ``param_groups`` without writing anything; raises ValueError.
+
+    ``keys_of(p, amsgrad)``: the state keys and dtypes of ``p`` in the optimizer's modes
+    (``_state.StateRoom.keys``). [note: two forms] An entry with a compact key (``_compact``) is the
+    compact form and must be exactly the optimizer's (keys, dtypes, shapes): it loads bitwise. Any
+    other entry is torch's fp32 form (torch.optim.AdamW's, ampfused's fp32 mode's) and is encoded into
+    the optimizer's modes at the load.
+    """
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -62,9 +71,11 @@ def validate(param_groups: list, state_dict: dict) -> Checked:
         if key not in param_of:
             raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
         p = param_of[key]
-        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values]
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values and k + "_codes" not in values]
         if missing:
             raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
+        if any(_compact.is_compact_key(k) for k in values):
+            _check_compact_entry(key, p, values, keys_of)
         for name in MOMENT_KEYS:
             if name in values:  # [distributed] sharded state must come as DTensors
                 _dtensor.check_state(p, values[name], f"state {name!r} of parameter {key}")
@@ -77,6 +88,31 @@ def validate(param_groups: list, state_dict: dict) -> Checked:
             raise ValueError(f"state 'step' of parameter {key} has shape {tuple(step.shape)}; expected a scalar")
         steps[key] = step.reshape(())
     return Checked(saved_groups, saved_state, param_of, amsgrad_of, steps)
+
+
+def _describe(keys) -> str:
+    return ", ".join(f"{k} ({str(d).replace('torch.', '')})" for k, d in sorted(keys.items()))
+
+
+def _check_compact_entry(key, p, values: dict, keys_of) -> None:
+    """A compact-form entry must be the optimizer's own mode for ``p``: same keys, dtypes and shapes."""
+    saved = {k: v.dtype for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)}
+    amsgrad = any(k.startswith("max_exp_avg_sq") for k in saved)
+    wanted = keys_of(p, amsgrad) if keys_of is not None and p.dtype in KERNEL_DTYPES else {}
+    if saved != wanted:
+        raise ValueError(
+            f"state of parameter {key} is compact state of another mode than this optimizer keeps for a {p.dtype} "
+            f"parameter of shape {tuple(p.shape)}: saved {_describe(saved)}; expected {_describe(wanted) or 'no compact state'}. "
+            "Load it into an optimizer with the master_weights/state_dtype it was saved with, or expand it with "
+            "ampfused.checkpoint.to_torch_state_dict(state_dict, params) and load that: every mode takes the fp32 form")
+    for name, value in values.items():
+        if name == "step" or not isinstance(value, torch.Tensor):
+            continue
+        _dtensor.check_state(p, value, f"state {name!r} of parameter {key}")
+        shape = (-(-p.numel() // _compact.BLOCK),) if name.endswith("_scales") else tuple(p.shape)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, expected {shape}: "
+                             "the state dict belongs to another model or optimizer")
 
 
 @torch.no_grad()
@@ -95,8 +131,32 @@ def apply(opt: Optimizer, checked: Checked) -> None:
         room.init(p, bool(checked.amsgrad_of[key]))
         state = opt.state[p]
         state["step"].copy_(checked.steps[key])
-        for name in MOMENT_KEYS:
+        if any(_compact.is_compact_key(k) for k in values):  # the optimizer's own compact form: bitwise
+            for name, value in values.items():
+                if name != "step" and name in state:
+                    _dtensor.copy_state_(state[name], value)
+            continue
+        for name in _compact.MOMENTS:  # torch's fp32 form, encoded into this optimizer's modes
             if name in values and name in state:
-                _dtensor.copy_state_(state[name], values[name])
-        if "master_param" in state and "master_param" not in values:
-            room.masters_pending.append(p)  # see [note: masters of a torch checkpoint] in _state
+                _dtensor.copy_state_(state[name], values[name])  # fp32, or RNE to bf16 moments
+            elif name in values and name + "_codes" in state:
+                codes, scales = _compact.quantize(_dtensor.local(values[name]).to(p.device, torch.float32),
+                                                  "signed" if name == "exp_avg" else "sqrt")
+                state[name + "_codes"].copy_(codes)
+                state[name + "_scales"].copy_(scales)
+        if "master_param" in state:
+            if "master_param" in values:
+                _dtensor.copy_state_(state["master_param"], values["master_param"])
+            else:
+                room.masters_pending.append(p)  # see [note: masters of a torch checkpoint] in _state
+        elif "master_param" in values and ("master_low16" in state or "master_residual8" in state):
+            # a split master from an fp32 one: the param becomes RNE(master), the stored bits its remainder
+            master = _dtensor.local(values["master_param"]).to(p.device, torch.float32)
+            if "master_low16" in state:
+                param, bits = _compact.split16(master)
+                _dtensor.copy_local_(state["master_low16"], bits)
+            else:
+                param, bits = _compact.split8(master, p.dtype)
+                _dtensor.copy_local_(state["master_residual8"], bits)
+            _dtensor.copy_local_(p, param)
+        # (no master in the dict: a split master's stored bits stay zero, the master is the param exactly)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor, reference
-from ._args import check_flag, check_grad, per_tensor
+from ._args import check_compact_lists, check_flag, check_grad, per_tensor
 from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_
 from ._state import wide_indices
 
@@ -78,6 +78,8 @@ def fused_amp_adamw(
     skip_nonfinite: bool = True,
     keep_scaled_grads: bool = False,
     backend: str | None = None,
+    moment_scales: list | None = None,
+    rounding_seed: int | None = None,
 ) -> tuple[Tensor | None, Tensor]:
     r"""Functional form of :class:`ampfused.FusedAmpAdamW`: one fused AMP AdamW step.
 
@@ -94,6 +96,13 @@ def fused_amp_adamw(
     Returns ``(grad_norm, skipped)``: the L2 norm of the unscaled grads before clipping (non-finite
     when the step was skipped; ``None`` when nothing computed it: ``skip_nonfinite=False`` without
     scaler and clipping) and a 0-d fp32 flag, both on the device; nothing is synchronized.
+
+    Compact state (DESIGN §9, keys and encodings in ``ampfused._compact``) is told by the dtypes of
+    the lists: ``master_params[i]`` int16 (split16 low bits) or int8 (split8 residual); bf16
+    moments; int8/uint8 moment codes, whose fp32 block scales come in ``moment_scales[i] =
+    (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` (``None`` entries for other
+    tensors). ``rounding_seed`` (an int) rounds the bf16 writes without an exact master
+    stochastically; ``None`` rounds to nearest even.
     """
     check_flag(skip_nonfinite, "skip_nonfinite")
     check_flag(keep_scaled_grads, "keep_scaled_grads")
@@ -112,6 +121,7 @@ def fused_amp_adamw(
         if h.amsgrad and max_exp_avg_sqs[i] is None:
             raise ValueError(f"amsgrad is set for tensor {i} but max_exp_avg_sqs[{i}] is None")
         check_grad(params[i], grads[i])
+    check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, moment_scales, rounding_seed)
     if n == 0:
         return torch.zeros(()), torch.zeros(())
     group_ids, groups = group_hypers(hypers)
@@ -121,7 +131,8 @@ def fused_amp_adamw(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
     return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, group_ids,
                     groups, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
-                    skip_nonfinite=skip_nonfinite, keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats)
+                    skip_nonfinite=skip_nonfinite, keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats,
+                    moment_scales=moment_scales, rounding_seed=rounding_seed)
 
 
 def group_hypers(hypers: Sequence[Hyper]) -> tuple[list[int], list[Hyper]]:
@@ -167,7 +178,8 @@ def _plain_stats(device: torch.device) -> Tensor:
 
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, *,
              max_grad_norm, grad_scale, found_inf, skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None,
-             scratch: Scratch | None = None, wide: list[int] | None = None) -> tuple[Tensor | None, Tensor]:
+             scratch: Scratch | None = None, wide: list[int] | None = None, moment_scales: list | None = None,
+             rounding_seed: int | None = None) -> tuple[Tensor | None, Tensor]:
     """Stats pass (finish included), update pass over checked lists (``_contract.Backend`` says what
     each list holds; tensor ``i`` takes ``groups[group_ids[i]]``). No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
@@ -177,7 +189,9 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     skip flag into the global ones (``ampfused._reducers``: one all-reduce over the shards' mesh or ZeRO's group);
     the finish then runs again on them, so every rank takes the same decision. ``scratch``: the
     caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
-    ``wide``: the indices of the float64/complex tensors (computed when None).
+    ``wide``: the indices of the tensors the reference passes serve (computed when None, see
+    :func:`fallback_indices`). ``moment_scales`` / ``rounding_seed``: the compact state's int8 scales
+    and the stochastic-rounding seed (``_contract.Backend.adamw_update_``).
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -191,15 +205,26 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     unscale_into_grads = None if keep_scaled_grads else grad_scale
     lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids)
     if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
-        wide = wide_indices(params)
-    if wide:  # [note: wide params] the kernels' share, and the rest for the reference passes
+        wide = fallback_indices(backend, params, exp_avgs, masters, moment_scales, rounding_seed is not None)
+    scales, wide_scales = moment_scales, moment_scales
+    if wide:  # [note: wide params] [note: compact fallback] the kernels' share, and the rest for the reference passes
         lists, wide_lists = _split(lists, wide)
+        if moment_scales is not None:
+            wide_set = set(wide)
+            scales = [x for i, x in enumerate(moment_scales) if i not in wide_set]
+            wide_scales = [moment_scales[i] for i in wide]
+    compact_kwargs = {}  # only what the backend's share needs: backends without compact modes never see these
+    if scales is not None and lists[0] and any(x is not None for x in scales):
+        compact_kwargs["moment_scales"] = scales
+    if rounding_seed is not None and "sr" in getattr(backend, "COMPACT_MODES", ()):
+        compact_kwargs["rounding_seed"] = rounding_seed
+    wide_kwargs = dict(moment_scales=wide_scales, rounding_seed=rounding_seed)
     if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
         stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
         if lists[0]:
-            backend.adamw_update_(*lists, groups, stats, scratch=scratch)
+            backend.adamw_update_(*lists, groups, stats, scratch=scratch, **compact_kwargs)
         if wide:
-            reference.adamw_update_(*wide_lists, groups, stats)
+            reference.adamw_update_(*wide_lists, groups, stats, **wide_kwargs)
         return None, stats[SKIP]
     # a scaler always skips on inf/NaN: the guard is off only without one
     check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
@@ -221,10 +246,42 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
     if lists[0]:
-        backend.adamw_update_(*lists, groups, stats, scratch=scratch, grad_scale=unscale_into_grads)
+        backend.adamw_update_(*lists, groups, stats, scratch=scratch, grad_scale=unscale_into_grads, **compact_kwargs)
     if wide:
-        reference.adamw_update_(*wide_lists, groups, stats, grad_scale=unscale_into_grads)
+        reference.adamw_update_(*wide_lists, groups, stats, grad_scale=unscale_into_grads, **wide_kwargs)
     return stats[NORM], stats[SKIP]
+
+
+def compact_modes_needed(param: Tensor, exp_avg: Tensor, master: Tensor | None, stochastic: bool) -> frozenset:
+    """The ``COMPACT_MODES`` names a tensor's step needs, told by the dtypes of its state (``_contract.Backend``)."""
+    needed = set()
+    if master is not None and master.dtype in (torch.int16, torch.int8):
+        needed.add("split16" if master.dtype == torch.int16 else "split8")
+    if exp_avg.dtype == torch.bfloat16:
+        needed.add("bf16")
+    elif exp_avg.dtype in (torch.int8, torch.uint8):
+        needed.add("int8")
+    if stochastic and ("bf16" in needed or (master is None and param.dtype == torch.bfloat16)):
+        needed.add("sr")
+    return frozenset(needed)
+
+
+def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False) -> list[int]:
+    """Indices of the tensors the reference passes serve inside the step: float64/complex ones ([note: wide
+    params]) and those whose encodings ``backend`` does not list in its ``COMPACT_MODES``.
+
+    [note: compact fallback] Every mode works on every backend from the day it exists: a backend
+    without a native variant hands those tensors to ``reference`` (the specification of every
+    encoding) in the same step, under the same stats (one norm, one skip flag), as it does wide params.
+    """
+    if backend is reference:
+        return wide_indices(params)
+    served = getattr(backend, "COMPACT_MODES", frozenset())
+    wide = set(wide_indices(params))
+    for i, (p, m, master) in enumerate(zip(params, exp_avgs, masters)):
+        if i not in wide and not compact_modes_needed(p, m, master, stochastic) <= served:
+            wide.add(i)
+    return sorted(wide)
 
 
 def _split(lists, wide: list[int]):

@@ -19,8 +19,8 @@ from ._state import StateRoom, uses_master
 from ._state_dict import IMPLEMENTATION_KEYS
 
 
-_PICKLED = ("defaults", "state", "param_groups", "max_grad_norm", "master_weights", "skip_nonfinite", "keep_scaled_grads",
-            "fp32_grad_accumulation", "grad_norm", "_backend_name", "backend_reason")
+_PICKLED = ("defaults", "state", "param_groups", "max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding",
+            "skip_nonfinite", "keep_scaled_grads", "fp32_grad_accumulation", "grad_norm", "_backend_name", "backend_reason")
 
 
 class FusedAmpAdamW(Optimizer):
@@ -53,8 +53,19 @@ class FusedAmpAdamW(Optimizer):
         lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
         max_grad_norm (float, optional): clip the global L2 norm of the unscaled gradients to this
             value inside the step (``torch.nn.utils.clip_grad_norm_`` semantics).
-        master_weights (bool, optional): keep fp32 master copies of fp16/bf16 params in
-            ``state["master_param"]``. ``None``: on for every fp16/bf16 param.
+        master_weights (bool or str, optional): the master copy of fp16/bf16 params (DESIGN §9).
+            ``None``/``True``/``"fp32"``: fp32 ``state["master_param"]`` (4 B/param). ``"split16"``
+            (bf16 params only): the param plus its master's low 16 bits, ``state["master_low16"]``
+            (2 B/param, bit for bit the fp32 master but for a 1-ulp nudge at exact ties).
+            ``"split8"``: the param plus an 8-bit correction of its rounding error,
+            ``state["master_residual8"]`` (1 B/param, within ``ulp(p)/256``). ``False``: none.
+        state_dtype (optional): ``None``/``torch.float32``: fp32 moments; ``torch.bfloat16``: bf16
+            moments (4 B/param instead of 8); ``"int8"``: blockwise companded 8-bit moments with fp32
+            scales per 256 elements (about 2 B/param; tensors under 4096 elements keep fp32). The
+            encodings and state keys are documented in ``ampfused._compact``.
+        stochastic_rounding (bool): round the bf16 writes without an exact master (bf16 moments, bf16
+            params with ``master_weights=False``) stochastically, from 16 random bits per element
+            seeded by torch's default CPU generator at each step (``torch.manual_seed`` reproduces a run).
         skip_nonfinite (bool): ``True`` (default): a step whose gradients hold an inf/NaN is
             skipped, with or without a scaler. ``False``: without a scaler the guard is off and
             non-finite gradients flow into the update as in :class:`torch.optim.AdamW` (with
@@ -85,13 +96,15 @@ class FusedAmpAdamW(Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands us grad_scale/found_inf
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, max_grad_norm=None, master_weights=None, skip_nonfinite=True, keep_scaled_grads=False,
-                 fp32_grad_accumulation=None, backend=None, partition_group=None, foreach=None, fused=None,
-                 capturable=False, differentiable=False):
+                 maximize=False, max_grad_norm=None, master_weights=None, state_dtype=None, stochastic_rounding=False,
+                 skip_nonfinite=True, keep_scaled_grads=False, fp32_grad_accumulation=None, backend=None,
+                 partition_group=None, foreach=None, fused=None, capturable=False, differentiable=False):
         # foreach/fused/capturable are accepted so torch.optim.AdamW call sites keep working: this
         # optimizer is always fused and capturable (see [note: implementation keys] in _state_dict).
         _args.check_options(lr, betas, eps, weight_decay, max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
-                            keep_scaled_grads=keep_scaled_grads, differentiable=differentiable, backend=backend)
+                            keep_scaled_grads=keep_scaled_grads, differentiable=differentiable, backend=backend,
+                            master_weights=master_weights, state_dtype=state_dtype,
+                            stochastic_rounding=stochastic_rounding)
         # [note: optimizer-wide options] like max_grad_norm, these act on the whole step (one stats
         # pass over every group), so they are attributes, not param-group keys: torch's state_dict
         # carries only groups and state, and a checkpoint stays loadable into torch.optim.AdamW
@@ -99,6 +112,8 @@ class FusedAmpAdamW(Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self.keep_scaled_grads = keep_scaled_grads
         self.master_weights = master_weights
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.grad_norm: Tensor | None = None
         self._backend_name = backend
@@ -135,6 +150,8 @@ class FusedAmpAdamW(Optimizer):
         pending = state.pop("_masters_pending", [])
         state.setdefault("skip_nonfinite", True)  # pickled before these options existed
         state.setdefault("keep_scaled_grads", False)
+        state.setdefault("state_dtype", None)
+        state.setdefault("stochastic_rounding", False)
         super().__setstate__(state)
         self._init_runtime()
         self._state_room.masters_pending = pending
@@ -154,7 +171,8 @@ class FusedAmpAdamW(Optimizer):
         backend = self._backend.NAME if self._backend is not None else (self._backend_name or "auto (resolved at the first step)")
         lines.insert(1, f"  backend: {backend}, max_grad_norm: {self.max_grad_norm}, "
                         f"skip_nonfinite: {self.skip_nonfinite}, keep_scaled_grads: {self.keep_scaled_grads}, "
-                        f"fp32 master weights: {masters} of {len(low)} fp16/bf16 params, "
+                        f"{self._master_mode} master weights: {masters} of {len(low)} fp16/bf16 params, "
+                        f"state_dtype: {_state_dtype_name(self._moments)}, stochastic_rounding: {self.stochastic_rounding}, "
                         f"fp32 grad accumulation: {accumulated} of {len(low)}")
         return "\n".join(lines)
 
@@ -182,6 +200,32 @@ class FusedAmpAdamW(Optimizer):
 
     def _check_param(self, p) -> None:
         self._device = _args.check_param(p, self.fp32_grad_accumulation, self._device)
+        _args.check_param_modes(p, self._master_mode, self._moments)
+
+    @property
+    def _master_mode(self) -> str:
+        """``master_weights`` as "fp32", "split16", "split8" or "none"."""
+        return _args.master_mode(self.master_weights)
+
+    @property
+    def _moments(self):
+        """``state_dtype`` as torch.float32, torch.bfloat16 or "int8"."""
+        return _args.state_encoding(self.state_dtype)
+
+    def state_bytes(self) -> int:
+        """Bytes of the tensors this optimizer keeps between steps, measured from them: the storage of
+        every state tensor (flat buffers with their alignment padding, step counters, int8 scales) and
+        of the fp32 gradient storage it owns (``main_grads``). Params and gradients autograd owns are
+        not counted. Divide by the params' element count for bytes per param (``ampfused.bench``
+        adds the params and the gradients it reads for the kept bytes per param of DESIGN §9)."""
+        storages = {}
+        tensors = [_dtensor.local(t) for state in self.state.values() for t in state.values() if isinstance(t, Tensor)]
+        if self._main_grads.flat is not None:
+            tensors.append(self._main_grads.flat.data)
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def _uses_main_grad(self, p: Tensor) -> bool:
         return _main_grad.wanted(p, self.fp32_grad_accumulation, self.master_weights)
@@ -268,16 +312,26 @@ class FusedAmpAdamW(Optimizer):
         reduce_stats = self._partition_reducer  # [distributed] a ZeRO partition's stats cover every partition
         if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
             lists, reduce_stats = _dtensor.localize(*lists)
+        backend = self._get_backend()
+        # [note: rounding seed] drawn on the host from torch's CPU generator: no device sync, and
+        # torch.manual_seed reproduces a run (a CUDA graph would replay the captured seed: see README)
+        seed = int(torch.randint(1 << 62, (1,)).item()) if self.stochastic_rounding else None
+        fallback = plan.fallback.get((backend.NAME, seed is not None))
+        if fallback is None:
+            fallback = plan.fallback[(backend.NAME, seed is not None)] = functional.fallback_indices(
+                backend, lists[0], lists[2], lists[5], plan.moment_scales, seed is not None)
         self.grad_norm, self._skipped = functional.run_step(
-            self._get_backend(), *lists[:5], plan.steps, lists[5], plan.group_ids, plan.hypers(),
+            backend, *lists[:5], plan.steps, lists[5], plan.group_ids, plan.hypers(),
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
             skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
-            scratch=plan.scratch, wide=plan.wide)
+            scratch=plan.scratch, wide=fallback, moment_scales=plan.moment_scales, rounding_seed=seed)
         plan.release_grads()  # [note: grads held weakly] in _plan.py
         return loss
 
     def state_dict(self) -> dict:
-        """torch.optim.AdamW's state dict (its keys, shapes and fp32 state) plus ``master_param``.
+        """torch.optim.AdamW's state dict (its keys, shapes and fp32 state) plus ``master_param``; in the
+        compact modes the compact tensors under ``ampfused._compact``'s keys (``ampfused.checkpoint.
+        to_torch_state_dict`` expands them into torch's form).
 
         The param groups carry torch.optim.AdamW's defaults for ``foreach``/``fused``/``capturable``
         (see [note: implementation keys]), so the dict loads into either class.
@@ -288,12 +342,19 @@ class FusedAmpAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FusedAmpAdamW or torch.optim.AdamW.
 
+        The compact form loads bitwise into an optimizer of the same modes (another mode is refused,
+        before any write, with how to convert it); torch's fp32 form loads into any mode (encoded).
+
         State stays fp32 whatever the param dtype (torch's base class would cast it to the param
         dtype); master weights missing from the dict are created from the current params.
         Everything is validated before anything is written.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
-        _state_dict.apply(self, _state_dict.validate(self.param_groups, state_dict))
+        _state_dict.apply(self, _state_dict.validate(self.param_groups, state_dict, self._state_room.keys))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _state_dtype_name(moments) -> str:
+    return moments if isinstance(moments, str) else str(moments).replace("torch.", "")

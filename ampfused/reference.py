@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from . import _compact
 from ._contract import FACTOR, SKIP, SUMSQ, finish_, inv_scale_of
 
 NAME = "reference"
@@ -49,17 +50,61 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every encoding of ``_compact``
+
+
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
-    """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed)."""
+                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
+                  rounding_seed: int | None = None) -> None:
+    """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed).
+
+    Compact tensors (told by their dtypes, ``_contract.Backend``) step through
+    ``_compact.compact_adamw_step_``, the specification of every encoding; the others through the fp32 step below.
+    """
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
     inv_scale = inv_scale_of(grad_scale)
     for i in range(len(params)):
-        _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
-                   groups[group_ids[i]], factor, keep)
+        scales = moment_scales[i] if moment_scales is not None else None
+        if is_compact(params[i], exp_avgs[i], masters[i], scales, rounding_seed is not None):
+            _compact_one(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
+                         scales, groups[group_ids[i]], factor, stats[SKIP], rounding_seed)
+        else:
+            _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
+                       groups[group_ids[i]], factor, keep)
         if inv_scale is not None:  # the unscaled gradient, in the grad's dtype (RNE), as torch's fused AdamW leaves it
             grads[i].copy_(torch.where(keep, grads[i], (grads[i].to(_math_dtype(grads[i].dtype)) * inv_scale).to(grads[i].dtype)))
+
+
+def is_compact(param: Tensor, exp_avg: Tensor, master: Tensor | None, scales, stochastic: bool) -> bool:
+    """Whether a tensor's step needs an encoding of ``_compact`` (not the plain fp32-state step)."""
+    return (scales is not None or exp_avg.dtype in (torch.bfloat16, torch.int8, torch.uint8)
+            or (master is not None and not master.is_floating_point())
+            or (stochastic and master is None and param.dtype == torch.bfloat16))
+
+
+_MASTER_KEY_OF = {torch.float32: "master_param", torch.int16: "master_low16", torch.int8: "master_residual8"}
+
+
+def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, scales, h, factor, skip,
+                 rounding_seed) -> None:
+    """One tensor on compact state: the lists' tensors under ``_compact``'s keys, then its step (in place)."""
+    state = {"step": step}
+    moments = (exp_avg, exp_avg_sq, max_exp_avg_sq) if h.amsgrad else (exp_avg, exp_avg_sq)
+    for n, (name, value) in enumerate(zip(_compact.MOMENTS, moments)):
+        if scales is None:
+            state[name] = value
+        else:
+            state[name + "_codes"], state[name + "_scales"] = value, scales[n]
+    if master is not None:
+        state[_MASTER_KEY_OF[master.dtype]] = master
+    generator = None
+    if rounding_seed is not None:  # [note: reference rounding bits] torch's generator, seeded per (step seed, tensor)
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed((rounding_seed * 0x9E3779B97F4A7C15 + i) % (1 << 63))
+    _compact.compact_adamw_step_(param, grad, state, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                                 weight_decay=h.weight_decay, amsgrad=h.amsgrad, maximize=h.maximize, factor=factor,
+                                 skip=skip, stochastic_rounding=rounding_seed is not None, generator=generator)
 
 
 def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h, factor, keep) -> None:

@@ -13,6 +13,7 @@ with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
    device stream (``a += b``, the roofline) of each byte count, **interleaved** (``measure.interleaved``), then check the
    weights are still finite;
 4. report median and p20/p80 ms per step, bytes moved per step (``providers.bytes_per_param``),
+   the bytes kept between steps per param (measured from the provider's tensors),
    effective GB/s, the fraction of that roofline's GB/s, the speedup over
    each stock path, peak memory, the cores other processes kept busy meanwhile, and whether the
    timing is ``unstable`` (too few samples, or a p20-p80 spread above ``--max-spread``).
@@ -94,7 +95,7 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     return chosen, skipped
 
 
-def gate(provider, name, args, device, expected):
+def gate(provider, name, args, device, expected, case=None, data=None):
     """Run the gate steps; (mismatch description or "", fp32 weights if this is the reference)."""
     for _ in range(args.gate_steps):
         provider.restore_grads()
@@ -103,9 +104,24 @@ def gate(provider, name, args, device, expected):
         torch.cuda.synchronize()
     if name == "torch-fused":  # built first: the reference of the gate
         return "", {k: [t.detach().clone() for t in v] for k, v in provider.results().items()}
-    if expected is None:
+    if expected is None and name != "ampfused-reference":
         return "no reference: stock torch-fused failed on this case", None
-    return measure.compare(provider.results(), expected), None
+    if expected is None:  # the memory-mode gate's own oracle run
+        return "", None
+    mode = providers.memory_mode(name)
+    if mode is None:
+        return measure.compare(provider.results(), expected), None
+    # [note: memory-mode gate] a lossy mode is held to the reference backend running the same mode
+    # (the specification of its encodings); split16 also to stock fp32 masters, as every fp32 row
+    # (its bitwise equality with fp32 masters, ties aside, is tests/compact's business)
+    oracle = providers.make(f"ampfused-reference{providers.MODE}{mode}", case, data, device)
+    mismatch, _ = gate(oracle, "ampfused-reference", args, device, None)
+    want = {k: [t.detach().clone() for t in v] for k, v in oracle.results().items()}
+    oracle.close()
+    mismatch = measure.compare(provider.results(), want)
+    if not mismatch and mode == "split16":
+        mismatch = measure.compare(provider.results(), expected)
+    return (f"vs ampfused-reference@{mode}: {mismatch}" if mismatch else ""), None
 
 
 def run_case(case, names, device, args, budget, env, progress) -> list[dict]:
@@ -127,7 +143,7 @@ def run_case(case, names, device, args, budget, env, progress) -> list[dict]:
                     provider.step()
                 mismatch, reference = "", None
             else:
-                mismatch, reference = gate(provider, name, args, device, expected)
+                mismatch, reference = gate(provider, name, args, device, expected, case, data)
             expected = reference if reference is not None else expected
             detail = f"gate: {mismatch}" if mismatch else ""
         except Exception as exc:  # a crashing provider is a failed provider, the others still run
@@ -137,7 +153,8 @@ def run_case(case, names, device, args, budget, env, progress) -> list[dict]:
             if provider is not None:
                 provider.close()
             continue
-        row.update(peak_mem_mb=memory.peak() / 2**20, state_mb=provider.state_bytes() / 2**20)
+        kept = provider.state_bytes()
+        row.update(peak_mem_mb=memory.peak() / 2**20, state_mb=kept / 2**20, kept_bytes_per_param=kept / case.shapes.numel)
         live[name] = provider
     fns = {name: p.step for name, p in live.items()}
     copies = {} if case.host else {rows[n]["bytes_per_step"]: None for n in live}
@@ -225,7 +242,11 @@ def warm_up(names, device) -> None:
 
 def case_providers(case, names) -> list[str]:
     """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question.
-    keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only."""
+    keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only. The memory modes'
+    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled)."""
+    memory = "memory" in case.sweeps
+    names = [n for n in names if (providers.MODE in n) == memory or (memory and providers.MODE not in n and
+                                                                     not n.endswith(providers.KEEP_SCALED))]
     names = [n for n in names if case.config.loss_scaling or not n.endswith(providers.KEEP_SCALED)]
     return [n for n in names if n != "torch-foreach"] if case.host else names
 
@@ -260,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
     if backends:  # scaled rows both ways (p.grad unscaled, as torch, or kept scaled), for the first backend
         names.insert(3, f"ampfused-{backends[0]}{providers.KEEP_SCALED}")
+        if "memory" in args.sweeps:  # and the memory modes of DESIGN §9 (configs [note: memory modes])
+            names += [f"ampfused-{backends[0]}{providers.MODE}{mode}" for mode in configs.MEMORY_MODES]
     env = environment(device, args.threads)
     env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]))
     print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "

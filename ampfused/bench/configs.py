@@ -164,7 +164,14 @@ class Case:
         return self.sweeps == ("host",)
 
 
-SWEEPS = ("configs", "size", "tensors", "host", "passes")
+SWEEPS = ("configs", "size", "tensors", "host", "passes", "memory")
+# [note: memory modes] DESIGN §9's compact state as rows of their own: name -> (master_weights,
+# state_dtype) of FusedAmpAdamW, on bf16 params (split16 has no fp16 form) at the configs sweep's
+# size (GPT-2-like tensors) and the size sweep's largest, against stock and ampfused fp32 masters.
+MEMORY_MODES = {
+    "split16": ("split16", None), "split8": ("split8", None), "bf16-moments": (None, torch.bfloat16),
+    "int8-moments": (None, "int8"), "split16+bf16": ("split16", torch.bfloat16), "split8+int8": ("split8", "int8"),
+}
 # [note: host sweep] many tiny tensors, where the device work is ~0 and a step's time is the Python
 # and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
 # model with 2000 params, 16 elements each; with stable grads (autograd accumulating into the same
@@ -208,6 +215,12 @@ def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | N
         counts = HOST_COUNTS if name != "quick" else HOST_COUNTS[:1]
         cases += [("host", ShapeSet("tiny", (HOST_NUMEL,) * n), c) for c in (FP32_CLIP, FP32_NOCLIP, FP32_CLIP_FRESH)
                   for n in counts]
+    if "memory" in sweeps:  # (quick: a few tensors big enough for int8 moments; the fallback is slow)
+        if name == "quick":
+            cases.append(("memory", shape_set("few-large", 65_536), BF16_X1_CLIP))
+        else:
+            cases.append(("memory", shape_set("gpt2-like", configs_total), BF16_X1_CLIP))
+            cases.append(("memory", shape_set("few-large", max(size_totals)), BF16_X1_CLIP))
     merged: dict[tuple, tuple[str, ...]] = {}  # a case shared by two sweeps is measured once
     for sweep, shapes, config in cases:
         merged[(shapes, config)] = merged.get((shapes, config), ()) + (sweep,)

@@ -23,6 +23,9 @@ step and the next forward, plus folding each micro-batch's gradient for low-prec
   After a scaled step ``p.grad`` holds the unscaled gradient, as torch's fused AdamW leaves it.
 * ``ampfused-<backend>+keep_scaled_grads`` -- the same with ``keep_scaled_grads=True`` (scaled cases
   only): ``p.grad`` keeps the scale, one 4 B/param write less.
+* ``ampfused-<backend>@<mode>`` -- the same in a compact-state mode of ``configs.MEMORY_MODES``
+  (``master_weights``/``state_dtype``, DESIGN §9); a backend without a native variant of the mode
+  steps those tensors through the reference passes (``functional`` [note: compact fallback]).
 
 [note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
 loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
@@ -37,12 +40,19 @@ import torch
 from torch import Tensor
 
 import ampfused
+from ampfused import _compact
 
 from . import measure
-from .configs import BETAS, EPS, GRAD_STD, GROWTH_INTERVAL, INIT_SCALE, LR, MAX_GRAD_NORM, WEIGHT_DECAY, Case
+from .configs import BETAS, EPS, GRAD_STD, GROWTH_INTERVAL, INIT_SCALE, LR, MAX_GRAD_NORM, MEMORY_MODES, WEIGHT_DECAY, Case
 
 STOCK = ("torch-foreach", "torch-fused")
 KEEP_SCALED = "+keep_scaled_grads"  # provider-name suffix: FusedAmpAdamW(keep_scaled_grads=True)
+MODE = "@"  # provider-name separator of a memory mode: "ampfused-cpu@split8+int8"
+
+
+def memory_mode(provider: str) -> str | None:
+    """The ``configs.MEMORY_MODES`` name of a provider, None for the fp32-state ones."""
+    return provider.split(MODE, 1)[1] if MODE in provider else None
 
 
 class FreshGrads:
@@ -168,14 +178,16 @@ class StockAdamW(Provider):
 
 
 class AmpfusedAdamW(Provider):
-    def __init__(self, case, data, device, backend: str, keep_scaled_grads: bool = False):
+    def __init__(self, case, data, device, backend: str, keep_scaled_grads: bool = False, mode: str | None = None):
         super().__init__(case, data, device)
-        self.name = f"ampfused-{backend}" + (KEEP_SCALED if keep_scaled_grads else "")
+        self.name = f"ampfused-{backend}" + (KEEP_SCALED if keep_scaled_grads else "") + (MODE + mode if mode else "")
         cfg = self.config
         self.params = [torch.nn.Parameter(t.to(cfg.torch_dtype, copy=True)) for t in data.init]
+        master_weights, state_dtype = MEMORY_MODES[mode] if mode else (None, None)
         self.opt = ampfused.FusedAmpAdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                           max_grad_norm=MAX_GRAD_NORM if cfg.clip else None,
-                                          keep_scaled_grads=keep_scaled_grads, backend=backend)
+                                          keep_scaled_grads=keep_scaled_grads, backend=backend,
+                                          master_weights=master_weights, state_dtype=state_dtype)
         self.scaler = ampfused.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
                                           enabled=cfg.loss_scaling)
         _init_scale(self.scaler, device)
@@ -217,8 +229,8 @@ class AmpfusedAdamW(Provider):
             self.opt.zero_grad()
 
     def results(self):
-        if self.config.low_precision:
-            masters = [self.opt.state[p]["master_param"] for p in self.params]
+        if self.config.low_precision:  # (a compact master decoded: the param plus its stored bits)
+            masters = [_compact.decode_state(self.opt.state[p], p).get("master_param", p.float()) for p in self.params]
         else:
             masters = [p.detach() for p in self.params]
         return {"master": masters, "param": [p.detach() for p in self.params]}
@@ -233,8 +245,9 @@ class AmpfusedAdamW(Provider):
 def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provider:
     if name in STOCK:
         return StockAdamW(case, data, device, name.split("-", 1)[1])
-    backend = name.split("-", 1)[1]
-    return AmpfusedAdamW(case, data, device, backend.removesuffix(KEEP_SCALED), keep_scaled_grads=backend.endswith(KEEP_SCALED))
+    backend, _, mode = name.split("-", 1)[1].partition(MODE)
+    return AmpfusedAdamW(case, data, device, backend.removesuffix(KEEP_SCALED), keep_scaled_grads=backend.endswith(KEEP_SCALED),
+                         mode=mode or None)
 
 
 # ---------------------------------------------------------------- bytes model
@@ -265,6 +278,13 @@ def bytes_per_param(provider: str, case: Case) -> float:
     GB/s (bytes / time) understates its real traffic. The model counts the current ampfused pass
     structure (functional.run_step); a backend that fuses the stats into the last accumulation
     moves 4 B/param less than counted.
+
+    * ampfused in a memory mode (``@<mode>``, bf16/fp16 params): the update pass reads and writes
+      the master's ``M`` bytes (4 fp32, 2 split16, 1 split8, 0 none) and the moments' ``S`` (8 fp32,
+      4 bf16, 2 + 8/256 int8 with their scales) instead of 12 + 16, and also reads the param where
+      the master is the param plus stored bits (or the param alone): ``28 + L`` becomes
+      ``4 + 2M + 2S + L (+ L)``. These are the bytes of a native variant; the reference fallback
+      (``functional`` [note: compact fallback]) moves several times more.
     """
     cfg = case.config
     s, c = int(cfg.loss_scaling), int(cfg.clip)
@@ -275,7 +295,14 @@ def bytes_per_param(provider: str, case: Case) -> float:
         if not cfg.low_precision:
             return core
         return (lp + 4) + (n - 1) * (lp + 8) + core + (4 + lp)
-    grad_write = 4 * s * (not provider.endswith(KEEP_SCALED))
+    mode = memory_mode(provider)
+    grad_write = 4 * s * (KEEP_SCALED not in provider)
     if not cfg.low_precision:
         return 32 + grad_write
-    return (lp + 4) + (n - 1) * (lp + 8) + 4 + (28 + lp) + grad_write
+    update = 28 + lp
+    if mode is not None:
+        master_weights, state_dtype = MEMORY_MODES[mode]
+        master = {None: 4, "split16": 2, "split8": 1, False: 0}[master_weights]
+        moments = {None: 8, torch.bfloat16: 4, "int8": 2 + 2 * 4 / _compact.BLOCK}[state_dtype]
+        update = 4 + 2 * master + 2 * moments + lp + (lp if master < 4 else 0)
+    return (lp + 4) + (n - 1) * (lp + 8) + 4 + update + grad_write

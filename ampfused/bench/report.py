@@ -13,7 +13,7 @@ COLUMNS = [
     "sweeps", "case", "config", "param_dtype", "micro_batches", "loss_scaling", "clip", "family", "numel", "tensors",
     "provider", "status", "detail", "timer", "median_ms", "p20_ms", "p80_ms", "samples", "unstable",
     "bytes_per_param", "bytes_per_step", "gbps", "roofline_gbps", "roofline_frac",
-    "speedup_vs_torch_foreach", "speedup_vs_torch_fused", "host_ratio_vs_torch_fused", "peak_mem_mb", "state_mb",
+    "speedup_vs_torch_foreach", "speedup_vs_torch_fused", "host_ratio_vs_torch_fused", "peak_mem_mb", "state_mb", "kept_bytes_per_param",
     "other_cores", "loadavg",
 ]
 STOCK_COLUMNS = {"torch-foreach": "speedup_vs_torch_foreach", "torch-fused": "speedup_vs_torch_fused"}
@@ -88,8 +88,8 @@ def _gate(r) -> str:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| case | provider | ms/step median (p20–p80) | samples | timing | B/param | GB/s | % of roofline | × torch-foreach | "
-        "× torch-fused | state MiB | peak MiB | other cores | gate |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "× torch-fused | state MiB | kept B/param | peak MiB | other cores | gate |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ok = r["status"] == "ok"
@@ -98,7 +98,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['case']} | {r['provider']} | {_ms(r) if ok else '–'} | {r['samples'] if ok else '–'} | "
             f"{_timing(r) if ok else '–'} | {r['bytes_per_param']:g} | {_fmt(r['gbps'], '.1f')} | {roof} | "
             f"{_fmt(r['speedup_vs_torch_foreach'], '.2f')} | {_fmt(r['speedup_vs_torch_fused'], '.2f')} | "
-            f"{_fmt(r['state_mb'], '.0f')} | {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
+            f"{_fmt(r['state_mb'], '.0f')} | {_fmt(r['kept_bytes_per_param'], '.2f')} | {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
     return "\n".join(lines)
 
 
@@ -116,7 +116,7 @@ def host_table(rows: list[dict]) -> str:
 
 
 SWEEP_TITLES = (("configs", "All step configurations"), ("size", "Total size sweep"), ("tensors", "Tensor count sweep"),
-                ("host", "Host time per step on tiny tensors"))
+                ("host", "Host time per step on tiny tensors"), ("memory", "Memory modes (compact state, DESIGN §9)"))
 
 
 def markdown_summary(rows: list[dict]) -> str:
@@ -153,7 +153,8 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         "low-precision write-back); see ampfused/bench/providers.py",
         "- B/param: modeled bytes moved per parameter (ampfused/bench/providers.py `bytes_per_param`); "
         "% of roofline: effective GB/s over the GB/s of an in-place stream a += b moving the same bytes, timed interleaved with the providers",
-        "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact); peak MiB: "
+        "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact; kept B/param: the "
+        "same per parameter); peak MiB: "
         "measured peak above the level before the provider was built (CUDA allocator; on CPU, approximate RSS growth)",
         "",
     ]

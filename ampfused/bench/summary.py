@@ -20,7 +20,7 @@ import sys
 
 def _main_backend(rows) -> str | None:
     """The ampfused provider the headline speedups are for: the first measured one that is not the reference."""
-    names = [r["provider"] for r in rows if r["provider"].startswith("ampfused-")]
+    names = [r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]]
     names = list(dict.fromkeys(names))
     return next((n for n in names if n != "ampfused-reference"), names[0] if names else None)
 
@@ -33,7 +33,7 @@ def _cell(row, key="median_ms", spec=".2f") -> str:
 
 def bench_summary(rows: list[dict], env: dict) -> str:
     main = _main_backend(rows)
-    ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-")))
+    ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]))
     by_case: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["provider"]] = r
@@ -75,7 +75,32 @@ def bench_summary(rows: list[dict], env: dict) -> str:
                      *(_cell(p.get(a), "host_ratio_vs_torch_fused") if p.get(a) and p[a]["host_ratio_vs_torch_fused"] != ""
                        else "–" for a in ampfused)]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += memory_table(rows, main)
     return "\n".join(lines).rstrip()
+
+
+def memory_table(rows: list[dict], main: str | None) -> list[str]:
+    """The memory sweep: ms per step and kept bytes per param (measured) of each mode, against stock
+    fused and ampfused with fp32 masters and moments, per case."""
+    memory = [r for r in rows if "memory" in r["sweeps"].split("+")]
+    if not memory or main is None:
+        return []
+    lines = ["", f"Memory modes (DESIGN §9) on bf16 params, {main}: ms per step, median / bytes kept per param "
+                 "between steps (params, master, moments, fp32 gradients; measured from the tensors):", "",
+             "| case | provider | ms/step | × fp32 masters | kept B/param |", "|---|---|---:|---:|---:|"]
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in memory:
+        by_case.setdefault(r["case"], {})[r["provider"]] = r
+    for case, p in by_case.items():
+        fp32 = p.get(main)
+        for name, r in p.items():
+            if name != "torch-fused" and name != main and not name.startswith(main + "@"):
+                continue
+            ratio = (f"{fp32['median_ms'] / r['median_ms']:.2f}" if fp32 and fp32["status"] == "ok" and r["status"] == "ok"
+                     else "–")
+            kept = f"{r['kept_bytes_per_param']:.2f}" if r.get("kept_bytes_per_param") not in ("", None) else "–"
+            lines.append(f"| {case} | {name} | {_cell(r)} | {ratio} | {kept} |")
+    return lines
 
 
 def train_summary(table: str, env: dict) -> str:

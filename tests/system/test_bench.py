@@ -70,6 +70,15 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     kept = [v for name, v in fp32.items() if name.endswith("+keep_scaled_grads")]
     assert kept and all(v == 32 for v in kept)  # the first backend's row without the p.grad write
     assert "| torch-fused |" in (out / "bench.md").read_text()
+    memory = {r["provider"]: r for r in rows if "memory" in r["sweeps"].split("+")}
+    modes = {p.split("@", 1)[1]: r for p, r in memory.items() if "@" in p}
+    assert set(modes) == set(configs.MEMORY_MODES)  # every mode of DESIGN §9, gated (all rows are ok)
+    main = next(r for p, r in memory.items() if p.startswith("ampfused-") and "@" not in p)
+    kept = {name: float(r["kept_bytes_per_param"]) for name, r in modes.items()}
+    assert 18 <= float(main["kept_bytes_per_param"]) < 18.1  # 2 + 4 + 8 + 4, measured from the tensors
+    assert 9 <= kept["split8+int8"] < 9.1 and 16 <= kept["split16"] < 16.1  # (int8: + 8 B of scales per 256)
+    assert float(modes["split8+int8"]["bytes_per_param"]) < float(main["bytes_per_param"])
+    assert "Memory modes" in (out / "summary.md").read_text()
 
 
 WRONG_KERNEL = """
