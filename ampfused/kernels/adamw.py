@@ -83,15 +83,11 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, W
     """
     g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED)
     if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
-        if has_master:
-            if SPLIT16 or SPLIT8:
-                if master_kind == CS.MASTER_FP32:
-                    w = tl.load(master_ptr + offs, mask=mask)
-                else:
-                    w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED,
-                                             SPLIT16, SPLIT8)
-            else:
-                w = tl.load(master_ptr + offs, mask=mask)
+        if SPLIT16 or SPLIT8:  # the kernel sends split masters only here: [note: split masters per program]
+            w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED, SPLIT16,
+                                     SPLIT8)
+        elif has_master:
+            w = tl.load(master_ptr + offs, mask=mask)
         else:
             w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
         if BF16_STATE or INT8_STATE:
@@ -200,17 +196,11 @@ def _store_compact(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPL
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
         if amsgrad:
             tl.store(max_sq_ptr + offs, v_max, mask=mask)
-    if has_master:
-        if SPLIT16 or SPLIT8:
-            if master_kind == CS.MASTER_FP32:
-                tl.store(master_ptr + offs, w, mask=mask)
-                store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
-            else:
-                CS.store_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, w, ALIGNED,
-                                      SPLIT16, SPLIT8)
-        else:
-            tl.store(master_ptr + offs, w, mask=mask)
-            store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+    if SPLIT16 or SPLIT8:
+        CS.store_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
+    elif has_master:
+        tl.store(master_ptr + offs, w, mask=mask)
+        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
     else:
         if SR:
             if param_dtype == 2:  # bf16 without a master: stochastic rounding
@@ -337,9 +327,10 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
             unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
 
-        block_args = (
-            tl.load(row + PARAM), tl.load(row + PARAM_DTYPE), tl.load(row + GRAD), tl.load(row + GRAD_DTYPE),
-            tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
+        param_addr = tl.load(row + PARAM)
+        param_dtype = tl.load(row + PARAM_DTYPE)
+        block_tail = (
+            tl.load(row + GRAD), tl.load(row + GRAD_DTYPE), tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
             (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
             beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
         end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
@@ -347,19 +338,39 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
             key = tl.program_id(0).to(tl.uint32) * 0
             if SR:  # [note: random bits] in _compact_state
                 key = CS.rounding_key(seed_lo, seed_hi, tensor, start)
-            compact_args = (tl.load(row + MASTER_KIND), tl.load(row + STATE_KIND), tl.load(row + EXP_AVG_SCALES),
+            master_kind = tl.load(row + MASTER_KIND)
+            compact_args = (master_kind, tl.load(row + STATE_KIND), tl.load(row + EXP_AVG_SCALES),
                             tl.load(row + EXP_AVG_SQ_SCALES), tl.load(row + MAX_EXP_AVG_SQ_SCALES), key)
-            if tl.load(row + ALIGNED_ROW) != 0:
-                _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, *block_args, SPLIT16, SPLIT8, BF16_STATE,
+            aligned = tl.load(row + ALIGNED_ROW) != 0
+            # [note: split masters per program] a tensor's master is split or not, and its param
+            # fp16 or bf16, for the whole program: deciding both here (the dtype code becomes a
+            # constexpr) keeps those branches, and the registers they hold, out of the block loop.
+            # The split loops are compiled only for launches with split masters.
+            if (SPLIT16 or SPLIT8) and master_kind != CS.MASTER_FP32:
+                if SPLIT8 and param_dtype == 1:  # fp16: split8 only
+                    if aligned:
+                        _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                    else:
+                        _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                elif aligned:
+                    _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                else:
+                    _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+            elif aligned:
+                _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
                               INT8_STATE, SR, *compact_args)
             else:
-                _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, *block_args, SPLIT16, SPLIT8, BF16_STATE,
+                _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
                               INT8_STATE, SR, *compact_args)
         elif tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
-            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, *block_args, False, False, False, False, False,
+            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
                           0, 0, 0, 0, 0, 0)
         else:
-            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, *block_args, False, False, False, False, False,
+            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
                           0, 0, 0, 0, 0, 0)
 
         # [note: steps advance last] Every program of a tensor reads its step counter above, so no
@@ -436,7 +447,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
         **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
-        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
+        **({"maxnreg": _runtime.update_maxnreg(split8, int8_state)} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         # Fusion off is also what keeps `beta * 0.0 + 1.0` (a run-time fp64 one) exact; the kernel
