@@ -45,6 +45,10 @@ SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)
 AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
 
 
+# [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
+assert _runtime.CHUNK % int(CS.SCALE_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(CS.SCALE_BLOCK) == 0
+
+
 @triton.jit
 def _bias_corrections(beta1, beta2, step):
     """(1 - beta1 ** step, sqrt(1 - beta2 ** step)) in fp64 for an integer-valued fp32 step.

@@ -191,6 +191,17 @@ def test_round_to_nearest_modes(param_dtype, master_weights, state_dtype, n, ams
     check_step([entry], [(master_weights, state_dtype)], amsgrad=amsgrad, maximize=amsgrad, factor=0.5)
 
 
+def test_int8_blocks_of_two_scale_blocks(monkeypatch):
+    """The GPU's block of 512 elements: a [2, 256] tile, two scales per block (the interpreter's
+    default block holds one)."""
+    from ampfused.kernels import _runtime
+
+    monkeypatch.setattr(_runtime, "UPDATE_BLOCK", 512)
+    entries = [make(LARGE, torch.bfloat16, "split16", "int8", amsgrad=True), make(LARGE + 700, torch.float32, "fp32", "int8",
+                                                                                 amsgrad=True, seed=1)]
+    check_step(entries, [("split16", "int8"), ("fp32", "int8")], amsgrad=True)
+
+
 def test_split16_equals_the_fp32_master_path_bitwise():
     """The split master decodes to the fp32 path's master (no tie arises in random data: checked)."""
     split = make(3 * N, torch.bfloat16, "split16", torch.float32, seed=3)
