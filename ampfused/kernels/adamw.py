@@ -6,6 +6,12 @@ With ``grad_scale`` (``WRITE_GRAD``) the unscaled gradient ``g * (1 / grad_scale
 into the grad as the block goes (DESIGN §2.7: what torch's fused AdamW leaves in ``p.grad``). Math and order of
 operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 
+Compact state (DESIGN §9: split16 / split8 masters, bf16 / int8 moments, stochastic rounding) is
+read and written by variants of the same kernel: the row table says each tensor's encodings, the
+launch's constexprs (``SPLIT16`` .. ``SR``) which encodings it can meet, so a launch without compact
+state compiles to the plain kernel; ``_compact_state`` has the loads and stores, the fp32 math is
+shared.
+
 Layout: a row table (one row per tensor) and a chunk table (one row per program) from ``_tables``,
 and a group table (one row per distinct hyperparameter set) built here. See ``stats.py`` for why
 the loops are ``while`` loops.
@@ -414,7 +420,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
                   rounding_seed: int | None = None) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._contract.Backend`` for the contract.
 
-    Compact state (``COMPACT_MODES``; docs: notes/compact_interface.md, ``ampfused._compact``) is
+    Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
     told by the dtypes: int16 / int8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
     bf16 moments, or int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes whose block scales
     are ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
