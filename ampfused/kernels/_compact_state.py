@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import compact as K
+from ._memory import store_f32
 
 # row-table codes (adamw.py writes them)
 STATE_FP32, STATE_BF16, STATE_INT8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -237,3 +238,48 @@ def store_split_master(param_addr, param_dtype, master_addr, kind, offs, mask, w
         _store_split16(bits_ptr, low_ptr, offs, mask, w)
     else:
         _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w)
+
+
+@triton.jit
+def store_state(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
+                INT8_STATE: tl.constexpr, SR: tl.constexpr, w, m, v, v_max, param_addr, param_dtype, exp_avg_ptr,
+                exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr,
+                master_addr, master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key, groups,
+                group_mask):
+    """The update's writes in the compact variants: moments in their encoding, the param with its
+    master (split or fp32), or alone (stochastically rounded when SR and bf16). The kernel sends
+    split-master tensors only to SPLIT16/SPLIT8 blocks (adamw.py, [note: split masters per program])."""
+    if SR:
+        word0, word1 = random_words(offs, key, True)
+    else:
+        word0 = 0
+        word1 = 0
+    if BF16_STATE or INT8_STATE:
+        store_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, m, word0, ALIGNED,
+                     BF16_STATE, INT8_STATE, True, SR)
+        store_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, v, word0 >> 16,
+                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+        if amsgrad:
+            store_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, v_max, word1,
+                         ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+    else:
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+        if amsgrad:
+            tl.store(max_sq_ptr + offs, v_max, mask=mask)
+    if SPLIT16 or SPLIT8:
+        store_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
+    elif has_master:
+        tl.store(master_ptr + offs, w, mask=mask)
+        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+    else:
+        if SR:
+            if param_dtype == 2:  # bf16 without a master: stochastic rounding
+                bits_ptr = param_addr.to(tl.pointer_type(tl.uint16))
+                if ALIGNED:
+                    bits_ptr = tl.multiple_of(bits_ptr, 8)
+                tl.store(bits_ptr + offs, K.bf16_sr_bits(w, word1 >> 16).to(tl.uint16), mask=mask)
+            else:
+                store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+        else:
+            store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)

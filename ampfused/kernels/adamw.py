@@ -160,7 +160,7 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, W
             root = tl.sqrt_rn(v)
         denom = tl.div_rn(root, bias_correction2_sqrt) + eps
         w = w + tl.div_rn(m * neg_step_size, denom)
-        _store_compact(offs, mask, ALIGNED, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, w, m, v, v_max, param_addr,
+        CS.store_state(offs, mask, ALIGNED, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, w, m, v, v_max, param_addr,
                        param_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr,
                        master_addr, master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key,
                        groups, group_mask)
@@ -179,49 +179,6 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, W
         if has_master:
             tl.store(master_ptr + offs, w, mask=mask)
         store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
-
-
-@triton.jit
-def _store_compact(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
-                   BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr, w, m, v, v_max, param_addr,
-                   param_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr,
-                   master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key, groups, group_mask):
-    """The compact variants' writes: moments in their encoding, the param with its master (split or
-    fp32), or alone (stochastically rounded when SR and bf16); ``ampfused._compact``'s order."""
-    if SR:
-        word0, word1 = CS.random_words(offs, key, True)
-    else:
-        word0 = 0
-        word1 = 0
-    if BF16_STATE or INT8_STATE:
-        CS.store_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, m, word0, ALIGNED,
-                        BF16_STATE, INT8_STATE, True, SR)
-        CS.store_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, v, word0 >> 16,
-                        ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-        if amsgrad:
-            CS.store_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, v_max, word1,
-                            ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-    else:
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        if amsgrad:
-            tl.store(max_sq_ptr + offs, v_max, mask=mask)
-    if SPLIT16 or SPLIT8:
-        CS.store_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
-    elif has_master:
-        tl.store(master_ptr + offs, w, mask=mask)
-        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
-    else:
-        if SR:
-            if param_dtype == 2:  # bf16 without a master: stochastic rounding
-                bits_ptr = param_addr.to(tl.pointer_type(tl.uint16))
-                if ALIGNED:
-                    bits_ptr = tl.multiple_of(bits_ptr, 8)
-                tl.store(bits_ptr + offs, CS.K.bf16_sr_bits(w, word1 >> 16).to(tl.uint16), mask=mask)
-            else:
-                store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
-        else:
-            store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
 
 
 @triton.jit
