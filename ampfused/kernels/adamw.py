@@ -6,6 +6,12 @@ With ``grad_scale`` (``WRITE_GRAD``) the unscaled gradient ``g * (1 / grad_scale
 into the grad as the block goes (DESIGN §2.7: what torch's fused AdamW leaves in ``p.grad``). Math and order of
 operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 
+Compact state (DESIGN §9: split16 / split8 masters, bf16 / int8 moments, stochastic rounding) is
+read and written by variants of the same kernel: the row table says each tensor's encodings, the
+launch's constexprs (``SPLIT16`` .. ``SR``) which encodings it can meet, so a launch without compact
+state compiles to the plain kernel; ``_compact_state`` has the loads and stores, the fp32 math is
+shared.
+
 Layout: a row table (one row per tensor) and a chunk table (one row per program) from ``_tables``,
 and a group table (one row per distinct hyperparameter set) built here. See ``stats.py`` for why
 the loops are ``while`` loops.
@@ -22,12 +28,16 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _runtime, _tables
+from . import _compact_state as CS
 from ._memory import load_f32, store_f32
 
 # Table columns (tl.constexpr so the kernel can name them; the builders below write rows in this order).
 # row table, one row per tensor: addresses first (0 = tensor absent), then size and codes
 PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MASTER, STEP, NUMEL, PARAM_DTYPE, GRAD_DTYPE, GROUP, ALIGNED_ROW = map(tl.constexpr, range(12))
-ROW = tl.constexpr(12)
+# compact state (DESIGN §9, read only by the compact variants): master and moment encodings
+# (_compact_state's codes), the addresses of the int8 moments' block scales
+MASTER_KIND, STATE_KIND, EXP_AVG_SCALES, EXP_AVG_SQ_SCALES, MAX_EXP_AVG_SQ_SCALES = map(tl.constexpr, range(12, 17))
+ROW = tl.constexpr(17)
 # group table, one row per distinct hyperparameter set: fp64 bit patterns, then the lr source and flags
 G_LR, G_BETA1, G_BETA2, G_EPS, G_WD, G_LR_ADDR, G_LR_KIND, G_FLAGS = map(tl.constexpr, range(8))
 GROUP_ROW = tl.constexpr(8)
@@ -39,6 +49,10 @@ LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the 
 # copies of ampfused._contract's stats slots and group flags (tests/test_contract.py holds them equal)
 SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)
 AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
+
+
+# [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
+assert _runtime.CHUNK % int(CS.SCALE_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(CS.SCALE_BLOCK) == 0
 
 
 @triton.jit
@@ -67,23 +81,53 @@ def _bias_corrections(beta1, beta2, step):
 def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, param_addr,
                  param_dtype, grad_addr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master,
                  amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt,
-                 eps, neg_step_size):
-    """One block of one tensor: ``mask`` is None for a full block.
+                 eps, neg_step_size, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
+                 INT8_STATE: tl.constexpr, SR: tl.constexpr, exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr,
+                 master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key, groups, group_mask):
+    """One block of one tensor: ``mask`` is None for a full block. The compact variants (any of
+    SPLIT16 .. SR) read and write the state through ``_compact_state`` by the row's codes; the
+    math between is the same.
 
     [note: loads first] Every load is issued before any math, so the block waits for memory once
     (the round trips overlap) instead of once per dependent value.
     """
     g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED)
-    if has_master:
-        w = tl.load(master_ptr + offs, mask=mask)
+    if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
+        if SPLIT16 or SPLIT8:  # the kernel sends split masters only here: [note: split masters per program]
+            w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED, SPLIT16,
+                                     SPLIT8)
+        elif has_master:
+            w = tl.load(master_ptr + offs, mask=mask)
+        else:
+            w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
+        if BF16_STATE or INT8_STATE:
+            m = CS.load_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, ALIGNED,
+                               BF16_STATE, INT8_STATE, True)
+            v = CS.load_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, ALIGNED,
+                               BF16_STATE, INT8_STATE, False)
+            if amsgrad:
+                v_max = CS.load_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, ALIGNED,
+                                       BF16_STATE, INT8_STATE, False)
+            else:
+                v_max = v
+        else:
+            m = tl.load(exp_avg_ptr + offs, mask=mask)
+            v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+            if amsgrad:
+                v_max = tl.load(max_sq_ptr + offs, mask=mask)
+            else:
+                v_max = v
     else:
-        w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
-    m = tl.load(exp_avg_ptr + offs, mask=mask)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
-    if amsgrad:
-        v_max = tl.load(max_sq_ptr + offs, mask=mask)
-    else:
-        v_max = v
+        if has_master:
+            w = tl.load(master_ptr + offs, mask=mask)
+        else:
+            w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
+        m = tl.load(exp_avg_ptr + offs, mask=mask)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+        if amsgrad:
+            v_max = tl.load(max_sq_ptr + offs, mask=mask)
+        else:
+            v_max = v
     if WRITE_GRAD:
         store_f32(grad_addr, grad_dtype, offs, g * unscale, mask, ALIGNED)
     g = g * factor
@@ -108,20 +152,33 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, W
     else:
         m = tl.fma(lerp_scale, g - m, lerp_base)
         v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    if amsgrad:
-        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(max_sq_ptr + offs, v_max, mask=mask)
-        root = tl.sqrt_rn(v_max)
+    if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
+        if amsgrad:
+            v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+            root = tl.sqrt_rn(v_max)
+        else:
+            root = tl.sqrt_rn(v)
+        denom = tl.div_rn(root, bias_correction2_sqrt) + eps
+        w = w + tl.div_rn(m * neg_step_size, denom)
+        CS.store_state(offs, mask, ALIGNED, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, w, m, v, v_max, param_addr,
+                       param_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr,
+                       master_addr, master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key,
+                       groups, group_mask)
     else:
-        root = tl.sqrt_rn(v)
-    denom = tl.div_rn(root, bias_correction2_sqrt) + eps
-    w = w + tl.div_rn(m * neg_step_size, denom)
+        if amsgrad:
+            v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(max_sq_ptr + offs, v_max, mask=mask)
+            root = tl.sqrt_rn(v_max)
+        else:
+            root = tl.sqrt_rn(v)
+        denom = tl.div_rn(root, bias_correction2_sqrt) + eps
+        w = w + tl.div_rn(m * neg_step_size, denom)
 
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if has_master:
-        tl.store(master_ptr + offs, w, mask=mask)
-    store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+        if has_master:
+            tl.store(master_ptr + offs, w, mask=mask)
+        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
 
 
 @triton.jit
@@ -136,7 +193,9 @@ def _fp32_ptr(addr, ALIGNED: tl.constexpr):
 def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr,
                   WRITE_GRAD: tl.constexpr, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr,
                   max_sq_addr, master_addr, amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2,
-                  bias_correction2_sqrt, eps, neg_step_size):
+                  bias_correction2_sqrt, eps, neg_step_size, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
+                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr, master_kind, state_kind,
+                  exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key):
     exp_avg_ptr = _fp32_ptr(exp_avg_addr, ALIGNED)
     exp_avg_sq_ptr = _fp32_ptr(exp_avg_sq_addr, ALIGNED)
     max_sq_ptr = _fp32_ptr(max_sq_addr, ALIGNED)
@@ -144,17 +203,41 @@ def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULAT
     has_master = master_addr != 0
     full_end = start + (end - start) // BLOCK * BLOCK
     first = start
-    while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
-        offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
-                     exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, unscale,
-                     decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
-        first += BLOCK
-    if full_end < end:
-        offs = full_end + tl.arange(0, BLOCK)
-        _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
-                     exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor, unscale,
-                     decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size)
+    # [note: constexprs stay out of tuples] inside the kernel's run-time `if`, a tuple turns its
+    # constexpr members into tensors, so the flags travel as plain arguments
+    compact = (exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr, master_kind, state_kind, exp_avg_scales,
+               exp_avg_sq_scales, max_sq_scales, key)
+    if INT8_STATE:  # [note: int8 blocks] a block is a [BLOCK // 256, 256] tile of whole scale blocks
+        GROUPS: tl.constexpr = BLOCK // CS.SCALE_BLOCK
+        while first < full_end:
+            first = tl.multiple_of(first, CS.SCALE_BLOCK)
+            offs = first + tl.arange(0, GROUPS)[:, None] * CS.SCALE_BLOCK + tl.arange(0, CS.SCALE_BLOCK)[None, :]
+            _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
+                         exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor,
+                         unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
+                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, first // CS.SCALE_BLOCK + tl.arange(0, GROUPS), None)
+            first += BLOCK
+        if full_end < end:
+            offs = full_end + tl.arange(0, GROUPS)[:, None] * CS.SCALE_BLOCK + tl.arange(0, CS.SCALE_BLOCK)[None, :]
+            group_first = full_end + tl.arange(0, GROUPS) * CS.SCALE_BLOCK
+            _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr,
+                         grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
+                         factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, group_first // CS.SCALE_BLOCK, group_first < end)
+    else:
+        while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
+            offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
+                         exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor,
+                         unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
+                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, 0, None)
+            first += BLOCK
+        if full_end < end:
+            offs = full_end + tl.arange(0, BLOCK)
+            _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr,
+                         grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
+                         factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, 0, None)
 
 
 @triton.jit
@@ -166,11 +249,13 @@ def _slot_lr(slot, lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2
     return hi.to(tl.float64) + mid.to(tl.float64) + lo.to(tl.float64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])  # a new seed every step must not recompile
 def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, n_programs,
                          lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
-                         WRITE_GRAD: tl.constexpr = False):
+                         seed_lo, seed_hi, BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr,
+                         EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr = False, SPLIT16: tl.constexpr = False,
+                         SPLIT8: tl.constexpr = False, BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False,
+                         SR: tl.constexpr = False):
     # early exit: a skipped step writes nothing at all (state stays bitwise unchanged)
     if tl.load(stats_ptr + SKIP) == 0:
         pid = tl.program_id(0)
@@ -209,16 +294,51 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
             unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
 
-        block_args = (
-            tl.load(row + PARAM), tl.load(row + PARAM_DTYPE), tl.load(row + GRAD), tl.load(row + GRAD_DTYPE),
-            tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
+        param_addr = tl.load(row + PARAM)
+        param_dtype = tl.load(row + PARAM_DTYPE)
+        block_tail = (
+            tl.load(row + GRAD), tl.load(row + GRAD_DTYPE), tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
             (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
             beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
         end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
-        if tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
-            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, *block_args)
+        if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
+            key = tl.program_id(0).to(tl.uint32) * 0
+            if SR:  # [note: random bits] in _compact_state
+                key = CS.rounding_key(seed_lo, seed_hi, tensor, start)
+            master_kind = tl.load(row + MASTER_KIND)
+            compact_args = (master_kind, tl.load(row + STATE_KIND), tl.load(row + EXP_AVG_SCALES),
+                            tl.load(row + EXP_AVG_SQ_SCALES), tl.load(row + MAX_EXP_AVG_SQ_SCALES), key)
+            aligned = tl.load(row + ALIGNED_ROW) != 0
+            # [note: split masters per program] a tensor's master is split or not, and its param
+            # fp16 or bf16, for the whole program: deciding both here (the dtype code becomes a
+            # constexpr) keeps those branches, and the registers they hold, out of the block loop.
+            # The split loops are compiled only for launches with split masters.
+            if (SPLIT16 or SPLIT8) and master_kind != CS.MASTER_FP32:
+                if SPLIT8 and param_dtype == 1:  # fp16: split8 only
+                    if aligned:
+                        _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                    else:
+                        _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                elif aligned:
+                    _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+                else:
+                    _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
+            elif aligned:
+                _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
+                              INT8_STATE, SR, *compact_args)
+            else:
+                _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
+                              INT8_STATE, SR, *compact_args)
+        elif tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
+            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
+                          0, 0, 0, 0, 0, 0)
         else:
-            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, *block_args)
+            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
+                          0, 0, 0, 0, 0, 0)
 
         # [note: steps advance last] Every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
@@ -253,9 +373,15 @@ def _f32(x: float) -> float:
 
 @_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[9] if len(args) > 9 else None).device)
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None) -> None:
+                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
+                  rounding_seed: int | None = None) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._contract.Backend`` for the contract.
 
+    Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
+    told by the dtypes: int16 / int8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
+    bf16 moments, or int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes whose block scales
+    are ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
+    ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
     a step reads the grads' addresses and the group values only ([note: host time] in ``_tables``).
     """
@@ -265,26 +391,30 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
         grad_scale = grad_scale.to(device=device, dtype=torch.float32)
     group_of, group_keys, slot_lrs, keep_alive = _group_rows(group_ids, groups, device)
-    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters)
+    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
     if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):
         rows = memo[3].for_grads(grads)
     kernel_grads = grads  # a memoized table reads the grads as they are
     if rows is not None:
-        layout = memo[1]
+        layout, variant = memo[1], memo[4]
     else:
-        layout, rows, kernel_grads = _tables_of(lists, grads, group_of, group_keys, device, scratch)  # (copies live past the launch)
+        layout, rows, kernel_grads, variant = _tables_of(lists, grads, group_of, group_keys, device, scratch)  # (copies live past the launch)
+    split16, split8, bf16_state, int8_state, bare_bf16 = variant
+    stochastic = rounding_seed is not None and (bf16_state or bare_bf16)
+    seed = int(rounding_seed) if stochastic else 0
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
     _, counter, _ = _tables.scratch_views(scratch, device)
     _adamw_update_kernel[(layout.n_chunks,)](
         rows.rows, layout.chunks, groups[0], stats, grad_scale if grad_scale is not None else stats, counter,
-        rows.n_tensors, layout.n_chunks, *lr_args,
+        rows.n_tensors, layout.n_chunks, *lr_args, seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
-        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
+        **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
+        **({"maxnreg": _runtime.update_maxnreg(split8, int8_state)} if _runtime.UPDATE_MAXNREG else {}),
         # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         # Fusion off is also what keeps `beta * 0.0 + 1.0` (a run-time fp64 one) exact; the kernel
@@ -297,27 +427,47 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
                 g.copy_(kernel_grad.reshape(g.shape))
 
 
+def _compact_constexprs(split16, split8, bf16_state, int8_state, stochastic) -> dict:
+    """The launch's compact constexprs, only those set: a plain launch passes none and compiles as
+    the kernel without compact state."""
+    flags = dict(SPLIT16=split16, SPLIT8=split8, BF16_STATE=bf16_state, INT8_STATE=int8_state, SR=stochastic)
+    return {name: True for name, on in flags.items() if on}
+
+
 def _tables_of(lists, grads, group_of, group_keys, device, scratch):
-    """(layout, row table, the grads the kernel reads) of one update, every tensor checked;
-    memoized in ``scratch`` when the kernel reads the grads as they are."""
-    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = lists
+    """(layout, row table, the grads the kernel reads, compact variant) of one update, every tensor
+    checked; memoized in ``scratch`` when the kernel reads the grads as they are."""
+    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales = lists
+    if moment_scales is None:
+        moment_scales = [None] * len(params)
+    elif len(moment_scales) != len(params):
+        raise ValueError(f"moment_scales has {len(moment_scales)} entries for {len(params)} params")
     laid_out = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
     numels = tuple(p.numel() for p in params)
     layout = _tables.layout("update", numels, device, _runtime.CHUNK)
+    scales = [(0, 0, 0) if s is None else tuple(0 if t is None else t.data_ptr() for t in s) for s in moment_scales]
     key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, laid_out)),
-           tuple(t.data_ptr() for t in chain(exp_avgs, exp_avg_sqs, steps)),
-           tuple(0 if t is None else t.data_ptr() for t in chain(max_exp_avg_sqs, masters)))
+           tuple((t.data_ptr(), t.dtype) for t in chain(exp_avgs, exp_avg_sqs, steps)),
+           tuple((0, None) if t is None else (t.data_ptr(), t.dtype) for t in chain(max_exp_avg_sqs, masters)),
+           tuple(scales))
     rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
-        params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device))
+        params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, group_of, group_keys,
+        device))
+    state_dtypes = {t.dtype for t in exp_avgs}
+    master_dtypes = {t.dtype for t in masters if t is not None}
+    variant = (torch.int16 in master_dtypes, torch.int8 in master_dtypes, torch.bfloat16 in state_dtypes,
+               torch.int8 in state_dtypes,
+               any(p.dtype == torch.bfloat16 and master is None for p, master in zip(params, masters)))
     if scratch is not None and all(map(operator.is_, laid_out, grads)):  # (a copy would move every step)
         source = rows.source
         other_aligned = torch.ones(rows.n_tensors, dtype=torch.int64)
-        for column, element_sizes in ((PARAM, torch.tensor([4 * p.element_size() for p in params])),
-                                      (EXP_AVG, 16), (EXP_AVG_SQ, 16), (MAX_EXP_AVG_SQ, 16), (MASTER, 16)):
-            other_aligned &= (source[:, int(column)] % element_sizes == 0).long()
+        for column, tensors in ((PARAM, params), (EXP_AVG, exp_avgs), (EXP_AVG_SQ, exp_avg_sqs),
+                                (MAX_EXP_AVG_SQ, max_exp_avg_sqs), (MASTER, masters)):
+            modulus = torch.tensor([1 if t is None else 4 * t.element_size() for t in tensors])
+            other_aligned &= (source[:, int(column)] % modulus == 0).long()
         scratch.memo[("update", device)] = (lists, layout, group_of, _tables.ScratchRows(
-            rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo))
-    return layout, rows, laid_out
+            rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo), variant)
+    return layout, rows, laid_out, variant
 
 
 def _group_rows(group_ids, groups, device):
@@ -374,18 +524,60 @@ def _build_group_table(keys, device, keep_alive):
     return table, pinned, keep_alive
 
 
-def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_of, group_keys, device):
+# The compact encodings: state dtypes -> _compact_state's codes (exp_avg, exp_avg_sq / max_exp_avg_sq dtype)
+_STATE_KINDS = {(torch.float32, torch.float32): int(CS.STATE_FP32), (torch.bfloat16, torch.bfloat16): int(CS.STATE_BF16),
+                (torch.int8, torch.uint8): int(CS.STATE_INT8)}
+_MASTER_KINDS = {torch.float32: int(CS.MASTER_FP32), torch.int16: int(CS.MASTER_SPLIT16), torch.int8: int(CS.MASTER_SPLIT8)}
+_SPLIT_PARAMS = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
+_SCALE_BLOCK = int(CS.SCALE_BLOCK)
+
+
+def _compact_columns(i, p, m, v, vmax, master, scales, device):
+    """(master kind, state kind, three scale addresses) of tensor ``i``, its compact state checked."""
+    kind = _STATE_KINDS.get((m.dtype, v.dtype))
+    if kind is None or (vmax is not None and vmax.dtype != v.dtype):
+        raise TypeError(f"exp_avgs[{i}] / exp_avg_sqs[{i}] / max_exp_avg_sqs[{i}] have dtypes {m.dtype} / {v.dtype} / "
+                        f"{None if vmax is None else vmax.dtype}; the Triton kernels take float32, bfloat16, or int8 / "
+                        "uint8 / uint8 codes (one encoding per tensor)")
+    if master is not None and master.dtype in _SPLIT_PARAMS and p.dtype not in _SPLIT_PARAMS[master.dtype]:
+        raise TypeError(f"masters[{i}] is {master.dtype} (a {'split16' if master.dtype == torch.int16 else 'split8'} "
+                        f"master), which completes a {' or '.join(map(str, _SPLIT_PARAMS[master.dtype]))} param, "
+                        f"not params[{i}] of {p.dtype}")
+    addrs = [0, 0, 0]
+    if kind == int(CS.STATE_INT8):
+        if scales is None or len(scales) != 3 or (scales[2] is None) != (vmax is None):
+            raise ValueError(f"params[{i}] has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
+                             "max_exp_avg_sq_scales or None when there is no max_exp_avg_sq)")
+        blocks = -(-p.numel() // _SCALE_BLOCK)
+        for j, t in enumerate(scales):
+            if t is not None:
+                _tables.check(t, f"moment_scales[{i}][{j}]", device, {torch.float32: 0})
+                if t.numel() != blocks:
+                    raise ValueError(f"moment_scales[{i}][{j}] has {t.numel()} elements; {p.numel()} elements make "
+                                     f"{blocks} blocks of {_SCALE_BLOCK}")
+                addrs[j] = t.data_ptr()
+    elif scales is not None:
+        raise ValueError(f"moment_scales[{i}] is given, but the moments of params[{i}] are not int8 codes")
+    return [_MASTER_KINDS[master.dtype] if master is not None else 0, kind, *addrs]
+
+
+def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, group_of,
+                group_keys, device):
     low = _tables.DTYPE_CODE
     fp32 = {torch.float32: 0}
+    moment_dtypes = (fp32, {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2},
+                     {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2})
     rows = []
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
         _tables.check(p, f"params[{i}]", device, low)  # (grads come checked: ampfused._args.check_grad)
-        for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
+        for what, t, dtypes in ((f"exp_avgs[{i}]", m, moment_dtypes[1]), (f"exp_avg_sqs[{i}]", v, moment_dtypes[2]),
+                                (f"max_exp_avg_sqs[{i}]", vmax, moment_dtypes[2]), (f"masters[{i}]", master, _MASTER_KINDS)):
             if t is not None:
-                _tables.check(t, what, device, fp32)
+                _tables.check(t, what, device, dtypes)
                 if t.numel() != p.numel():
                     raise ValueError(f"{what} has {t.numel()} elements for a param of {p.numel()}")
+        compact = _compact_columns(i, p, m, v, vmax, master, moment_scales[i], device)
         _tables.check(step, f"steps[{i}]", device, fp32)
         if step.numel() != 1:
             raise ValueError(f"steps[{i}] must be 0-d")
@@ -394,11 +586,12 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
         for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
             if t is not None and not _tables.same_flat_layout(t, p):
                 raise ValueError(f"{what} is not laid out in memory as params[{i}] (both contiguous, or equal strides)")
-        fp32_addrs = [a for a in (m.data_ptr(), v.data_ptr(), 0 if vmax is None else vmax.data_ptr(),
-                                  0 if master is None else master.data_ptr())]
-        aligned = _tables.aligned([p.data_ptr()], p.element_size()) & _tables.aligned([g.data_ptr()], g.element_size()) \
-            & _tables.aligned(fp32_addrs, 4)
-        rows.append([p.data_ptr(), g.data_ptr(), *fp32_addrs, step.data_ptr(), p.numel(), low[p.dtype], low[g.dtype],
-                     group_of[i], aligned])
+        state_addrs = [0 if t is None else t.data_ptr() for t in (m, v, vmax, master)]
+        aligned = _tables.aligned([p.data_ptr()], p.element_size()) & _tables.aligned([g.data_ptr()], g.element_size())
+        for t in (m, v, vmax, master):
+            if t is not None:
+                aligned &= _tables.aligned([t.data_ptr()], t.element_size())
+        rows.append([p.data_ptr(), g.data_ptr(), *state_addrs, step.data_ptr(), p.numel(), low[p.dtype], low[g.dtype],
+                     group_of[i], aligned, *compact])
     return rows
 

@@ -131,10 +131,11 @@ def registers(kernel):
     return regs, spills
 
 sizes = dict(CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK)
+plain = {flag: False for flag in ("SPLIT16", "SPLIT8", "BF16_STATE", "INT8_STATE", "SR")}  # the update without compact state
 lr_args = {f"lr{i}_{part}": "fp32" for i in range(adamw.LR_SLOTS) for part in ("hi", "mid", "lo")}
 update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", grad_scale_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
-                  n_programs="i32", **lr_args)
-update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=False),
+                  n_programs="i32", **lr_args, seed_lo="i32", seed_hi="i32")
+update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=False),
                         num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
 ptx = update.asm["ptx"]
 assert "approx" not in ptx and "__nv_" not in ptx, "update: approximate math or libdevice"
@@ -149,7 +150,7 @@ assert regs <= _runtime.UPDATE_MAXNREG, f"update kernel uses {regs} registers at
 assert spills <= 16, f"update kernel spills {spills} bytes"
 # the variant that also writes the unscaled gradient back (a scaled step, DESIGN 2.7)
 update_w = compile_kernel(adamw._adamw_update_kernel, update_sig,
-                          dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=True),
+                          dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=True),
                           num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
 regs_w, spills_w = registers(update_w)
 print("update (writes grads) registers", regs_w, "spills", spills_w)
@@ -169,7 +170,7 @@ for flags in ((True, True, True, True), (False, False, False, True), (False, Fal
     print("stats registers", registers(k))
 # Triton turns an int argument equal to 1 into a constant: one tensor, one program
 compile_kernel(adamw._adamw_update_kernel, {k: v for k, v in update_sig.items() if k not in ("n_tensors", "n_programs")},
-               dict(sizes, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, n_programs=1, EMULATE_FMA=False, WRITE_GRAD=False),
+               dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, n_programs=1, EMULATE_FMA=False, WRITE_GRAD=False),
                num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False)
 for bf16 in (True, False):
     k = compile_kernel(accumulate._accumulate_kernel, dict(main_grad_ptr="*fp32", grad_ptr="*i16" if bf16 else "*fp16", numel="i32"),
