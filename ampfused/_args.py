@@ -80,6 +80,28 @@ def state_encoding(state_dtype):
     raise ValueError(f'state_dtype must be None, torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
 
 
+def state_dtype_name(moments) -> str:
+    """``state_encoding``'s value as ``repr`` shows it: float32, bfloat16 or int8."""
+    return moments if isinstance(moments, str) else str(moments).replace("torch.", "")
+
+
+def check_param_group(param_group: dict, defaults: dict, existing: list, check_param) -> dict:
+    """A param group as add_param_group takes it, every param (``check_param``) and hyperparameter checked."""
+    params = param_group["params"]
+    params = [params] if isinstance(params, Tensor) else list(params)
+    param_group = {**param_group, "params": params}  # a generator must survive being read twice
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # named_parameters() gives (name, param)
+    for p in tensors:
+        check_param(p)
+    if len({id(p) for p in tensors}) != len(tensors):
+        # torch.optim.AdamW warns and applies such a param twice per step; one fused launch cannot
+        raise ValueError("a parameter group lists the same parameter more than once: list each parameter once")
+    _dtensor.check_params(existing + tensors)  # [distributed] DTensors: all or none, one mesh
+    merged = {**defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+    check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    return param_group
+
+
 def check_param_modes(p, mode: str, moments) -> None:
     """A param the compact modes can serve: split16 completes bf16 params only; blockwise int8 moments
     need the whole tensor (a DTensor's local shard would cut the blocks)."""

@@ -250,7 +250,7 @@ def quantize(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     mant, one = _GRIDS[kind]
     blocks, _ = _blocks(x)
     if kind == "sqrt":
-        blocks = blocks.sqrt()
+        blocks = blocks.double().sqrt().float()  # correctly rounded, as sqrtf and the kernels' sqrt_rn
     scales = blocks.abs().amax(dim=1)
     y = blocks / scales[:, None]
     k = torch.where(torch.isfinite(y), _encode_unit(y, mant), 0).clamp(max=one)

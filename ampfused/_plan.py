@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _dtensor
+from . import _dtensor, functional
 from ._args import check_grad
 from ._contract import Hyper, is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
@@ -124,6 +124,14 @@ class StepPlan:
         self.all_grads, self.grads = grads, fresh
         self.grad_refs = None
         return True
+
+    def fallback_for(self, backend, lists, stochastic: bool) -> list[int]:
+        """The indices the reference passes serve for ``backend`` (``functional.fallback_indices``), cached."""
+        key = (backend.NAME, stochastic)
+        if key not in self.fallback:
+            self.fallback[key] = functional.fallback_indices(backend, lists[0], lists[2], lists[5], self.moment_scales,
+                                                             stochastic)
+        return self.fallback[key]
 
     def release_grads(self) -> None:
         """The step is done: keep the grads only weakly (see [note: grads held weakly])."""

@@ -144,6 +144,16 @@ class StateRoom:
         self.amsgrad: set = set()  # ids of the params laid out with AMSGrad state
         self.masters_pending: list[Tensor] = []  # loaded without master_param: copied from p at the next step
 
+    def kept_bytes(self, main_grad_flat=None) -> int:
+        """Bytes of the storages behind every state tensor (flat buffers with their padding, step
+        counters, int8 scales) and of ``main_grad_flat`` (the fp32 gradient storage), each counted once."""
+        opt = self._owner()
+        tensors = [_dtensor.local(t) for state in opt.state.values() for t in state.values() if isinstance(t, Tensor)]
+        if main_grad_flat is not None:
+            tensors.append(main_grad_flat.data)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
     def invalidate(self) -> None:
         """New params: the flat state is laid out again at the next step."""
         self.flat = None

@@ -266,6 +266,16 @@ def compact_modes_needed(param: Tensor, exp_avg: Tensor, master: Tensor | None, 
     return frozenset(needed)
 
 
+def rounding_seed(device: torch.device) -> int:
+    """The seed of one step's stochastic rounding ([note: rounding seed]): drawn on the host from
+    torch's default CPU generator, so nothing syncs with the device and ``torch.manual_seed``
+    reproduces a run. A CUDA graph would replay the captured seed, so capture is refused."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("stochastic_rounding=True cannot be captured in a CUDA graph: every replay would reuse the "
+                           "captured seed (the same random bits each step); capture with stochastic_rounding=False")
+    return int(torch.randint(1 << 62, (1,)).item())
+
+
 def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False) -> list[int]:
     """Indices of the tensors the reference passes serve inside the step: float64/complex ones ([note: wide
     params]) and those whose encodings ``backend`` does not list in its ``COMPACT_MODES``.

@@ -1,9 +1,6 @@
-"""FusedAmpAdamW: torch.optim.AdamW's surface over the fused functional step.
-
-The class holds arguments, param groups and hooks; the state room (``_state``), the state dicts
-(``_state_dict``), the step's cached lists (``_plan``), the fp32 gradient storage (``_main_grad``) and
-the step itself (``functional.run_step``) live in their own modules.
-"""
+"""FusedAmpAdamW: torch.optim.AdamW's surface (arguments, param groups, hooks) over the fused step; the
+state room (``_state``), state dicts (``_state_dict``), cached step lists (``_plan``), fp32 gradient
+storage (``_main_grad``) and the step (``functional.run_step``) live in their own modules."""
 from __future__ import annotations
 
 from itertools import chain
@@ -18,7 +15,7 @@ from ._plan import StepPlan, grads_to_step
 from ._state import StateRoom, uses_master
 from ._state_dict import IMPLEMENTATION_KEYS
 
-
+_PICKLE_DEFAULTS = dict(skip_nonfinite=True, keep_scaled_grads=False, state_dtype=None, stochastic_rounding=False)
 _PICKLED = ("defaults", "state", "param_groups", "max_grad_norm", "master_weights", "state_dtype", "stochastic_rounding",
             "skip_nonfinite", "keep_scaled_grads", "fp32_grad_accumulation", "grad_norm", "_backend_name", "backend_reason")
 
@@ -53,39 +50,25 @@ class FusedAmpAdamW(Optimizer):
         lr, betas, eps, weight_decay, amsgrad, maximize: as :class:`torch.optim.AdamW`.
         max_grad_norm (float, optional): clip the global L2 norm of the unscaled gradients to this
             value inside the step (``torch.nn.utils.clip_grad_norm_`` semantics).
-        master_weights (bool or str, optional): the master copy of fp16/bf16 params (DESIGN §9).
-            ``None``/``True``/``"fp32"``: fp32 ``state["master_param"]`` (4 B/param). ``"split16"``
-            (bf16 params only): the param plus its master's low 16 bits, ``state["master_low16"]``
-            (2 B/param, bit for bit the fp32 master but for a 1-ulp nudge at exact ties).
-            ``"split8"``: the param plus an 8-bit correction of its rounding error,
-            ``state["master_residual8"]`` (1 B/param, within ``ulp(p)/256``). ``False``: none.
-        state_dtype (optional): ``None``/``torch.float32``: fp32 moments; ``torch.bfloat16``: bf16
-            moments (4 B/param instead of 8); ``"int8"``: blockwise companded 8-bit moments with fp32
-            scales per 256 elements (about 2 B/param; tensors under 4096 elements keep fp32). The
-            encodings and state keys are documented in ``ampfused._compact``.
-        stochastic_rounding (bool): round the bf16 writes without an exact master (bf16 moments, bf16
-            params with ``master_weights=False``) stochastically, from 16 random bits per element
-            seeded by torch's default CPU generator at each step (``torch.manual_seed`` reproduces a run).
-        skip_nonfinite (bool): ``True`` (default): a step whose gradients hold an inf/NaN is
-            skipped, with or without a scaler. ``False``: without a scaler the guard is off and
-            non-finite gradients flow into the update as in :class:`torch.optim.AdamW` (with
-            ``max_grad_norm``, as ``clip_grad_norm_`` scales them); a plain step (no scaler, no
-            clipping) is then one pass, and ``opt.grad_norm`` is ``None`` (nothing computes it).
-            A scaler's steps are always checked and skipped.
-        keep_scaled_grads (bool): after a scaled step (``scaler.step(opt)`` without an earlier
-            ``unscale_``), ``p.grad`` holds the unscaled gradient ``g / S``, as torch's fused AdamW
-            leaves it (a skipped step leaves it scaled, as torch does). ``True`` keeps the scaled
-            gradient and saves that write (4 B per param for fp32 gradients).
-        fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients in fp32 during
-            backward: ``p.grad`` is then an fp32 tensor (a view of optimizer-owned flat storage, also
-            reachable as ``p.main_grad``) that ``clip_grad_norm_``, ``torch.amp.GradScaler`` and hooks
-            read as on an fp32 model. ``None``: on wherever master weights are on.
+        master_weights (bool or str, optional): the master of fp16/bf16 params. ``None``/``True``/
+            ``"fp32"``: fp32 ``master_param`` (4 B/param); ``"split16"`` (bf16): the param + its low
+            16 bits (2 B, exact but a 1-ulp nudge at ties); ``"split8"``: the param + an 8-bit
+            correction (1 B, within ``ulp(p)/256``); ``False``: none.
+        state_dtype (optional): moments in fp32 (``None``), ``torch.bfloat16`` (4 B/param) or
+            ``"int8"`` (blockwise companded, ~2 B/param). Encodings and keys: ``ampfused._compact``.
+        stochastic_rounding (bool): round bf16 writes without an exact master stochastically, seeded
+            from torch's default CPU generator at each step (``torch.manual_seed`` reproduces a run).
+        skip_nonfinite (bool): ``True``: a step with an inf/NaN gradient is skipped, scaler or not.
+            ``False``: without a scaler non-finite gradients flow into the update as in torch (a
+            plain step is then one pass and ``opt.grad_norm`` is ``None``). A scaler always skips.
+        keep_scaled_grads (bool): after a scaled step ``p.grad`` holds ``g / S``, as torch's fused
+            AdamW leaves it; ``True`` keeps the scaled gradient and saves that write (4 B/param).
+        fp32_grad_accumulation (bool, optional): accumulate fp16/bf16 gradients in fp32: ``p.grad``
+            (and ``p.main_grad``) is an fp32 view of optimizer-owned storage. ``None``: with masters.
         backend (str, optional): ``"cuda"``, ``"triton"``, ``"cpu"`` or ``"reference"``; ``None``
             picks the best available (overridable with ``AMPFUSED_BACKEND``).
-        partition_group (ProcessGroup, optional): this optimizer steps one partition of the params
-            and the ranks of this group step the others (``ZeroRedundancyOptimizer(...,
-            optimizer_class=FusedAmpAdamW, partition_group=group)``): the clip norm and the skip
-            decision cover every partition. A ZeRO that builds this optimizer is also found without it.
+        partition_group (ProcessGroup, optional): the group whose ranks step the other partitions
+            (``ZeroRedundancyOptimizer``): the clip norm and the skip cover every partition.
 
     After each step, ``opt.grad_norm`` is the 0-d device tensor norm ``n`` (non-finite when the step
     was skipped). Nothing in ``step()`` synchronizes the host with the device. Clipping with
@@ -148,10 +131,7 @@ class FusedAmpAdamW(Optimizer):
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / pickle / torch.load: flat state, main grads and hooks rebuilt on the (copied) params."""
         pending = state.pop("_masters_pending", [])
-        state.setdefault("skip_nonfinite", True)  # pickled before these options existed
-        state.setdefault("keep_scaled_grads", False)
-        state.setdefault("state_dtype", None)
-        state.setdefault("stochastic_rounding", False)
+        state = {**_PICKLE_DEFAULTS, **state}  # pickled before these options existed
         super().__setstate__(state)
         self._init_runtime()
         self._state_room.masters_pending = pending
@@ -172,23 +152,12 @@ class FusedAmpAdamW(Optimizer):
         lines.insert(1, f"  backend: {backend}, max_grad_norm: {self.max_grad_norm}, "
                         f"skip_nonfinite: {self.skip_nonfinite}, keep_scaled_grads: {self.keep_scaled_grads}, "
                         f"{self._master_mode} master weights: {masters} of {len(low)} fp16/bf16 params, "
-                        f"state_dtype: {_state_dtype_name(self._moments)}, stochastic_rounding: {self.stochastic_rounding}, "
+                        f"state_dtype: {_args.state_dtype_name(self._moments)}, stochastic_rounding: {self.stochastic_rounding}, "
                         f"fp32 grad accumulation: {accumulated} of {len(low)}")
         return "\n".join(lines)
 
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        param_group = {**param_group, "params": params}  # a generator must survive being read twice
-        tensors = [p[1] if isinstance(p, tuple) else p for p in params]  # named_parameters() gives (name, param)
-        for p in tensors:
-            self._check_param(p)
-        if len({id(p) for p in tensors}) != len(tensors):
-            # torch.optim.AdamW warns and applies such a param twice per step; one fused launch cannot
-            raise ValueError("a parameter group lists the same parameter more than once: list each parameter once")
-        _dtensor.check_params(self._all_params() + tensors)  # [distributed] DTensors: all or none, one mesh
-        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        _args.check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        param_group = _args.check_param_group(param_group, self.defaults, self._all_params(), self._check_param)
         param_group.update({k: v for k, v in IMPLEMENTATION_KEYS.items() if k in param_group})
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
@@ -202,30 +171,13 @@ class FusedAmpAdamW(Optimizer):
         self._device = _args.check_param(p, self.fp32_grad_accumulation, self._device)
         _args.check_param_modes(p, self._master_mode, self._moments)
 
-    @property
-    def _master_mode(self) -> str:
-        """``master_weights`` as "fp32", "split16", "split8" or "none"."""
-        return _args.master_mode(self.master_weights)
-
-    @property
-    def _moments(self):
-        """``state_dtype`` as torch.float32, torch.bfloat16 or "int8"."""
-        return _args.state_encoding(self.state_dtype)
+    _master_mode = property(lambda self: _args.master_mode(self.master_weights))  # "fp32", "split16", "split8", "none"
+    _moments = property(lambda self: _args.state_encoding(self.state_dtype))  # torch.float32, torch.bfloat16, "int8"
 
     def state_bytes(self) -> int:
-        """Bytes of the tensors this optimizer keeps between steps, measured from them: the storage of
-        every state tensor (flat buffers with their alignment padding, step counters, int8 scales) and
-        of the fp32 gradient storage it owns (``main_grads``). Params and gradients autograd owns are
-        not counted. Divide by the params' element count for bytes per param (``ampfused.bench``
-        adds the params and the gradients it reads for the kept bytes per param of DESIGN §9)."""
-        storages = {}
-        tensors = [_dtensor.local(t) for state in self.state.values() for t in state.values() if isinstance(t, Tensor)]
-        if self._main_grads.flat is not None:
-            tensors.append(self._main_grads.flat.data)
-        for t in tensors:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        """Bytes this optimizer keeps between steps, measured from its tensors' storages (state with its
+        padding, step counters, int8 scales, and the fp32 gradient storage it owns; not the params)."""
+        return self._state_room.kept_bytes(self._main_grads.flat)
 
     def _uses_main_grad(self, p: Tensor) -> bool:
         return _main_grad.wanted(p, self.fp32_grad_accumulation, self.master_weights)
@@ -244,9 +196,8 @@ class FusedAmpAdamW(Optimizer):
 
     @property
     def main_grads(self) -> _main_grad.MainGrads:
-        """The flat fp32 gradient storage of the fp16/bf16 params whose gradients this optimizer
-        accumulates in fp32 (``params``, ``flat``, ``attach_reducer``, ``has_cpu_hook``: see
-        :class:`ampfused._main_grad.MainGrads`); what ``ampfused.distributed.data_parallel`` all-reduces."""
+        """The fp32 gradient storage of the fp16/bf16 params accumulated in fp32 (``_main_grad.MainGrads``:
+        ``params``, ``flat``, ``attach_reducer``, ``has_cpu_hook``); what ``data_parallel`` all-reduces."""
         return self._main_grads
 
     @property
@@ -280,11 +231,9 @@ class FusedAmpAdamW(Optimizer):
         self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan())
         return self._plan
 
-    # [note: torch.compile] the step is already fused kernels behind lazily built flat state and
-    # pointer tables, which dynamo cannot trace: a compiled opt.step() (or a compiled train step that
-    # calls it) graph-breaks here and runs the step eagerly, with identical results. torch's lazy
-    # form of torch.compiler.disable (what Optimizer.zero_grad uses): importing ampfused must not
-    # import torch._dynamo (seconds, and it probes triton).
+    # [note: torch.compile] fused kernels behind lazy flat state and pointer tables, which dynamo cannot
+    # trace: a compiled step graph-breaks here and runs eagerly, with identical results. torch's lazy
+    # torch.compiler.disable (as Optimizer.zero_grad): importing ampfused must not import torch._dynamo.
     @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):
@@ -313,13 +262,8 @@ class FusedAmpAdamW(Optimizer):
         if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
             lists, reduce_stats = _dtensor.localize(*lists)
         backend = self._get_backend()
-        # [note: rounding seed] drawn on the host from torch's CPU generator: no device sync, and
-        # torch.manual_seed reproduces a run (a CUDA graph would replay the captured seed: see README)
-        seed = int(torch.randint(1 << 62, (1,)).item()) if self.stochastic_rounding else None
-        fallback = plan.fallback.get((backend.NAME, seed is not None))
-        if fallback is None:
-            fallback = plan.fallback[(backend.NAME, seed is not None)] = functional.fallback_indices(
-                backend, lists[0], lists[2], lists[5], plan.moment_scales, seed is not None)
+        seed = functional.rounding_seed(self._device) if self.stochastic_rounding else None
+        fallback = plan.fallback_for(backend, lists, seed is not None)  # what the reference passes serve
         self.grad_norm, self._skipped = functional.run_step(
             backend, *lists[:5], plan.steps, lists[5], plan.group_ids, plan.hypers(),
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
@@ -342,12 +286,9 @@ class FusedAmpAdamW(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FusedAmpAdamW or torch.optim.AdamW.
 
-        The compact form loads bitwise into an optimizer of the same modes (another mode is refused,
-        before any write, with how to convert it); torch's fp32 form loads into any mode (encoded).
-
-        State stays fp32 whatever the param dtype (torch's base class would cast it to the param
-        dtype); master weights missing from the dict are created from the current params.
-        Everything is validated before anything is written.
+        Everything is validated before anything is written. The compact form loads bitwise into the same
+        modes (another mode is refused, saying how to convert); torch's fp32 form loads into any mode.
+        fp32 state stays fp32 (torch would cast it to the param dtype); missing masters come from the params.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
@@ -355,6 +296,3 @@ class FusedAmpAdamW(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-
-def _state_dtype_name(moments) -> str:
-    return moments if isinstance(moments, str) else str(moments).replace("torch.", "")
