@@ -51,7 +51,7 @@ class PassBench:
 
     def __init__(self, sizes: list[int], device: torch.device, backend_name: str = "cpu"):
         from ampfused import _backends
-        from ampfused.functional import Hyper
+        from ampfused._contract import Hyper
 
         gen = torch.Generator(device=device).manual_seed(0)
         self.backend = _backends.resolve(backend_name, device)[0]
@@ -63,7 +63,8 @@ class PassBench:
         self.steps = [torch.zeros((), device=device) for _ in sizes]
         self.low = [p.to(torch.bfloat16) for p in self.params]  # bf16 params (their masters: self.params)
         self.low_grads = [g.to(torch.bfloat16) for g in self.grads]
-        self.hypers = [Hyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, False, False)] * len(sizes)
+        self.group_ids = [0] * len(sizes)  # one param group
+        self.groups = [Hyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, False, False)]
         self.none = [None] * len(sizes)
         self.stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=device)  # not skipped, factor 1
         self.grad_scale = torch.ones((), device=device)
@@ -77,7 +78,7 @@ class PassBench:
 
     def update(self, params, masters, grad_scale=None) -> None:
         self.backend.adamw_update_(params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.none, self.steps, masters,
-                                   self.hypers, self.stats, grad_scale=grad_scale)
+                                   self.group_ids, self.groups, self.stats, grad_scale=grad_scale)
 
     def functions(self) -> dict[str, tuple[float, object]]:
         """name -> (modeled bytes per element, fn). Every update leaves the grads as they were (a unit
