@@ -27,6 +27,10 @@ using compact::random_bits;
 // The master encodings with a fixed element type (kMasterF32 without a master is kNone).
 constexpr int kNone = -1;
 
+using LoadFn = void (*)(float*, const UpdateRange&, int64_t, int64_t);
+using StepFn = void (*)(float*, const float*, const UpdateRange&, int64_t, int64_t);
+using StoreFn = void (*)(const float*, float*, const UpdateRange&, int64_t, int64_t);
+
 // ------------------------------------------------------------------ phase 1: decode the weights
 
 template <typename P, int MK>
@@ -45,8 +49,11 @@ void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t
       const int8_t* __restrict q = reinterpret_cast<const int8_t*>(r.master) + at;
       for (int64_t j = 0; j < n; ++j) {
         // join8 of compact_math.h on the widened param: p + q ulp(p)/256 (exact), p itself for q == 0
-        const float fix = compact::scale_pow2(static_cast<float>(q[j]), compact::ulp_exponent16(p[j].x, kFp16) - 8);
-        w[j] = q[j] == 0 ? w[j] : w[j] + fix;
+        // (keeping -0, inf, NaN); written as selects so that the loop vectorizes
+        const float pj = w[j];
+        const int qj = q[j];
+        const float joined = pj + compact::scale_pow2(static_cast<float>(qj), compact::ulp_exponent16(p[j].x, kFp16) - 8);
+        w[j] = qj != 0 ? joined : pj;
       }
     }
   }
@@ -154,11 +161,52 @@ void store_unscaled(const float* __restrict g, float* __restrict tmp, const Upda
   }
 }
 
-// ------------------------------------------------------------------ choosing the phases
+// ------------------------------------------------------------------ split16 in one loop
 
-using LoadFn = void (*)(float*, const UpdateRange&, int64_t, int64_t);
-using StepFn = void (*)(float*, const float*, const UpdateRange&, int64_t, int64_t);
-using StoreFn = void (*)(const float*, float*, const UpdateRange&, int64_t, int64_t);
+// [note: fused split16] The mode that must be as fast as the fp32-master step gets the three phases
+// in one loop: join16, the math and split16 per element, with no weight buffer in between.
+template <bool BF16, bool AMSGRAD, bool SR>
+void split16_step(float* __restrict /*unused*/, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
+  using M = std::conditional_t<BF16, uint16_t, float>;
+  uint16_t* __restrict p = static_cast<uint16_t*>(r.param) + at;
+  uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
+  M* __restrict m = reinterpret_cast<M*>(r.exp_avg) + at;
+  M* __restrict v = reinterpret_cast<M*>(r.exp_avg_sq) + at;
+  M* __restrict vmax = AMSGRAD ? reinterpret_cast<M*>(r.max_exp_avg_sq) + at : nullptr;
+  const AdamWScalars s = *r.scalars;
+  const float factor = r.factor;
+  const uint32_t k0 = static_cast<uint32_t>(at), key0 = r.rounding_keys[0], key1 = r.rounding_keys[1],
+                 key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
+  for (int64_t j = 0; j < n; ++j) {
+    float w = compact::join16(p[j], low[j]);
+    float mi = get_moment<BF16>(m, j);
+    float vi = get_moment<BF16>(v, j);
+    float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
+    adamw_element<AMSGRAD>(w, g[j] * factor, mi, vi, vmaxi, s);
+    const uint32_t bits_a = SR ? random_bits(k0 + static_cast<uint32_t>(j), key0, key1) : 0u;
+    put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
+    put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
+    if (AMSGRAD) {
+      const uint32_t bits_b = SR ? random_bits(k0 + static_cast<uint32_t>(j), key2, key3) : 0u;
+      put_moment<BF16, SR>(vmax, j, vmaxi, bits_b & 0xFFFFu);
+    }
+    uint16_t hi, lo;
+    compact::split16(w, hi, lo);
+    p[j] = hi;
+    low[j] = lo;
+  }
+}
+
+template <bool BF16>
+StepFn split16_for_m(bool amsgrad, bool sr) {
+  if (amsgrad) return sr ? &split16_step<BF16, true, true> : &split16_step<BF16, true, false>;
+  return sr ? &split16_step<BF16, false, true> : &split16_step<BF16, false, false>;
+}
+
+void no_weights(float*, const UpdateRange&, int64_t, int64_t) {}
+void no_store(const float*, float*, const UpdateRange&, int64_t, int64_t) {}
+
+// ------------------------------------------------------------------ choosing the phases
 
 template <typename P, int MK>
 LoadFn pick_load() { return &load_weights<P, MK>; }
@@ -229,7 +277,12 @@ void compact_update(const UpdateRange& r) {
     default: load = load_for<BFloat16>(mk); store = store_for<BFloat16>(mk, sr); break;
   }
   const bool amsgrad = r.max_exp_avg_sq != nullptr;
-  const StepFn step = r.moment_kind == kMomentBF16 ? step_for_m<true>(amsgrad, sr) : step_for_m<false>(amsgrad, false);
+  StepFn step = r.moment_kind == kMomentBF16 ? step_for_m<true>(amsgrad, sr) : step_for_m<false>(amsgrad, false);
+  if (mk == kMasterSplit16) {  // [note: fused split16]
+    load = &no_weights;
+    store = &no_store;
+    step = r.moment_kind == kMomentBF16 ? split16_for_m<true>(amsgrad, sr) : split16_for_m<false>(amsgrad, false);
+  }
   StoreFn unscaled = nullptr;
   if (r.grad_out != nullptr) {
     unscaled = r.grad_dtype == kF32 ? &store_unscaled<float> : r.grad_dtype == kF16 ? &store_unscaled<Half>
