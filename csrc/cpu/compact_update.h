@@ -48,12 +48,12 @@ void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t
       constexpr bool kFp16 = std::is_same<P, Half>::value;
       const int8_t* __restrict q = reinterpret_cast<const int8_t*>(r.master) + at;
       for (int64_t j = 0; j < n; ++j) {
-        // join8 of compact_math.h on the widened param: p + q ulp(p)/256 (exact), p itself for q == 0
-        // (keeping -0, inf, NaN); written as selects so that the loop vectorizes
-        const float pj = w[j];
+        // join8 of compact_math.h on the widened param: p + q ulp(p)/256 (exact); for q == 0 the
+        // correction is -0, so p + (-0) keeps p bit for bit (-0, inf, NaN too) with no branch: a
+        // conditional float add is not if-converted under trapping math, and the loop would not vectorize
         const int qj = q[j];
-        const float joined = pj + compact::scale_pow2(static_cast<float>(qj), compact::ulp_exponent16(p[j].x, kFp16) - 8);
-        w[j] = qj != 0 ? joined : pj;
+        const float fix = compact::scale_pow2(static_cast<float>(qj), compact::ulp_exponent16(p[j].x, kFp16) - 8);
+        w[j] = w[j] + compact::float_of(compact::bits_of(fix) | (qj == 0 ? 0x80000000u : 0u));
       }
     }
   }

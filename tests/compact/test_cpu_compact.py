@@ -378,3 +378,16 @@ def test_bad_compact_dtypes_are_refused_before_anything_is_written():
 def test_int8_moment_scales_are_refused():
     with pytest.raises(NotImplementedError, match="int8 moments"):
         BACKEND.adamw_update_([], [], [], [], [], [], [], [], [], stats(), moment_scales=[(torch.ones(1), torch.ones(1), None)])
+
+
+@pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor", "test_aot_dispatch_dynamic"])
+def test_opcheck_with_compact_state_and_a_seed(test_utils):
+    """The op with int16/int8 masters, bf16 moments and rounding_seed keeps its registration honest (torch.compile)."""
+    cases = [make_state(700, dt, mw, sd, True, seed=3) + (mw,) for dt, mw, sd in
+             [(torch.bfloat16, "split16", torch.bfloat16), (torch.float16, "split8", torch.float32)]]
+    args = ([p for p, _, _ in cases], [make_grad(700, p.dtype, 1) for p, _, _ in cases],
+            [s["exp_avg"] for _, s, _ in cases], [s["exp_avg_sq"] for _, s, _ in cases],
+            [s["max_exp_avg_sq"] for _, s, _ in cases], [s["step"] for _, s, _ in cases],
+            [s[MASTER_KEY[mw]] for _, s, mw in cases], [0, 0], [1e-3], [None], [0.9], [0.999], [1e-8], [0.01], [1],
+            torch.tensor([0.0, 0.0, 1.0, 0.0]), None, None, 77)
+    torch.library.opcheck(torch.ops.ampfused.adamw_update.default, args, test_utils=test_utils)
