@@ -115,11 +115,17 @@ def copy_back_unscaled(grads, kernel_grads) -> None:
             g.copy_(k.view(g.shape) if k.is_contiguous() and g.is_contiguous() else k.reshape(g.shape))
 
 
+# The compact encodings (DESIGN §9) each device's update kernel serves natively; the others go to
+# the reference passes inside the same step (functional.run_step).
+COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "sr"}), "cuda": frozenset()}
+
+
 class CompiledBackend:
     """The four passes of ``_contract.Backend`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
 
     def __init__(self, name: str, module):
         self.NAME = name
+        self.COMPACT_MODES = COMPACT_MODES.get(name, frozenset())
         self.module = module
         self.cpu_isa = getattr(module, "CPU_ISA", "?")
         self._empties: dict[torch.device, Tensor] = {}
@@ -147,9 +153,10 @@ class CompiledBackend:
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                       stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
                       rounding_seed: int | None = None) -> None:
-        if moment_scales is not None or rounding_seed is not None:  # no COMPACT_MODES: run_step never passes them
-            raise NotImplementedError(f"the {self.NAME} backend has no compact-state variant: "
-                                      "functional.run_step hands compact tensors to the reference passes")
+        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 moments
+        # (the only ones with scales) are not among COMPACT_MODES, so the caller never sends them here
+        if moment_scales is not None and any(s is not None for s in moment_scales):
+            raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
         # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
         lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
         lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]
@@ -161,7 +168,7 @@ class CompiledBackend:
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
             list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
             [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
-            self._scratch_buffer(scratch, stats.device), grad_scale)
+            self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed))
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 

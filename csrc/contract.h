@@ -54,6 +54,16 @@ static_assert(kScratchBytes == kScratchPartials + 2 * static_cast<int64_t>(sizeo
 
 // ------------------------------------------------------------------ the update's records
 
+// ------------------------------------------------------------------ compact state kinds
+// How a tensor's master and moments are stored (DESIGN §9, ampfused/_compact.py), told by the
+// dtypes of the op's lists. With a compact kind, the record's float* points at that encoding's
+// elements: the kernels cast it by the kind.
+constexpr int32_t kMasterF32 = 0;      // an fp32 master, or none (master == nullptr)
+constexpr int32_t kMasterSplit16 = 1;  // int16 low halves of the fp32 master (bf16 params)
+constexpr int32_t kMasterSplit8 = 2;   // int8 residuals in ulp(p)/256 (bf16 and fp16 params)
+constexpr int32_t kMomentF32 = 0;      // fp32 exp_avg / exp_avg_sq / max_exp_avg_sq
+constexpr int32_t kMomentBF16 = 1;     // bf16 moments (round to nearest even, or stochastic)
+
 // One tensor of the update pass, as the op checked it: the only per-tensor record. The CPU hot
 // loops take element ranges of it (cpu/cpu_kernels.h), the CUDA update reads an array of it from
 // device memory (cuda/multi_tensor.h), so it holds plain pointers and fixed-width integers only.
@@ -70,7 +80,18 @@ struct UpdateTensor {
   int32_t grad_dtype;
   int32_t group;          // index into the UpdateGroup list
   int32_t aligned;        // every pointer allows 4-element vector access (the CUDA update's fast path)
+  int32_t master_kind;    // kMasterF32 / kMasterSplit16 / kMasterSplit8
+  int32_t moment_kind;    // kMomentF32 / kMomentBF16 (all of the tensor's moments alike)
+  int32_t stochastic;     // 1: bf16 writes without an exact master round stochastically (the call has a seed)
+  int32_t index;          // position in the op's lists: with the seed, it keys the random bits
 };
+
+// Whether the tensor takes the compact element loop rather than the fp32 one: a compact master or
+// moment, or a stochastically rounded bf16 param without a master.
+inline bool is_compact(const UpdateTensor& t) {
+  return t.master_kind != kMasterF32 || t.moment_kind != kMomentF32 ||
+         (t.stochastic != 0 && t.param_dtype == kBF16 && t.master == nullptr);
+}
 
 // How a group's lr is read: kLrValue takes UpdateGroup::lr, the others read a one-element tensor
 // of that dtype at lr_ptr when the kernel runs (the dtype codes above, and fp64).

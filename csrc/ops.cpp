@@ -20,7 +20,11 @@
 // per optimizer; without it each CUDA launch gets a fresh zeroed one. The CPU kernels ignore it.
 // `flags` are contract.h's group flags; the stats vector has its slots.
 //
-// adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7);
+// adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7).
+// Compact state (DESIGN §9) is told by the dtypes of masters and moments (ops_common.h);
+// rounding_seed (None: round to nearest even) makes the bf16 writes without an exact master
+// stochastic, from a counter-based hash of (seed, list index, element index).
+//
 // grad_stats with check_nonfinite=false lets only found_inf skip (skip_nonfinite=False).
 TORCH_LIBRARY(ampfused, m) {
   m.def("accumulate(Tensor(a!) main_grad, Tensor grad) -> ()");
@@ -30,7 +34,7 @@ TORCH_LIBRARY(ampfused, m) {
       "adamw_update(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
-      "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None) -> ()");
+      "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None, int? rounding_seed=None) -> ()");
   m.def(
       "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "

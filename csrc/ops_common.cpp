@@ -37,6 +37,41 @@ void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* w
   TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfused: ", what, "[", i, "] must be float32, got ", t.scalar_type());
 }
 
+// A moment buffer: float32, or bfloat16 (state_dtype=torch.bfloat16) of the same dtype as exp_avgs[i].
+int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
+  check_like(t, param, what, i);
+  switch (t.scalar_type()) {
+    case at::kFloat: return kMomentF32;
+    case at::kBFloat16: return kMomentBF16;
+    default:
+      TORCH_CHECK(false, "ampfused: ", what, "[", i, "] must be float32 or bfloat16, got ", t.scalar_type(),
+                  " (int8 moments are not served by these kernels)");
+  }
+}
+
+// A master buffer: float32 (fp32 master), int16 (split16: bf16 params) or int8 (split8: bf16/fp16 params).
+int32_t master_kind_of(const at::Tensor& t, const at::Tensor& param, size_t i) {
+  check_like(t, param, "masters", i);
+  switch (t.scalar_type()) {
+    case at::kFloat: return kMasterF32;
+    case at::kShort:
+      TORCH_CHECK(param.scalar_type() == at::kBFloat16, "ampfused: masters[", i,
+                  "] is int16 (split16 low halves), which needs a bfloat16 param, but params[", i, "] is ",
+                  param.scalar_type());
+      return kMasterSplit16;
+    case at::kChar:
+      TORCH_CHECK(param.scalar_type() == at::kBFloat16 || param.scalar_type() == at::kHalf, "ampfused: masters[", i,
+                  "] is int8 (split8 residuals), which needs a bfloat16 or float16 param, but params[", i, "] is ",
+                  param.scalar_type());
+      return kMasterSplit8;
+    default:
+      TORCH_CHECK(false, "ampfused: masters[", i, "] must be float32 (fp32 master), int16 (split16) or int8 (split8), got ",
+                  t.scalar_type());
+  }
+}
+
+int64_t element_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.element_size()); }
+
 void check_scalar(const at::Tensor& t, const at::Device& device, const char* what) {
   TORCH_CHECK(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, "ampfused: ", what, " must be a one-element float32 tensor");
   TORCH_CHECK(t.device() == device, "ampfused: ", what, " is on ", t.device(), " but the tensors are on ", device);
@@ -76,7 +111,7 @@ UpdateCall collect_update(
     at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
-    c10::DeviceType device_type) {
+    std::optional<int64_t> rounding_seed, c10::DeviceType device_type) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -87,7 +122,7 @@ UpdateCall collect_update(
                   weight_decays.size() == g && flags.size() == g,
               "ampfused::adamw_update: the per-group lists (lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags) "
               "must have equal lengths");
-  UpdateCall out{{}, {}, {}, n > 0 ? params[0].device() : at::Device(device_type), stats, scratch, nullptr};
+  UpdateCall out{{}, {}, {}, n > 0 ? params[0].device() : at::Device(device_type), stats, scratch, nullptr, rounding_seed};
   out.groups.reserve(g);
   out.lr_tensors.resize(g);
   for (size_t j = 0; j < g; ++j) {
@@ -118,26 +153,35 @@ UpdateCall collect_update(
     TORCH_CHECK(groups[i] >= 0 && static_cast<size_t>(groups[i]) < g, "ampfused: groups[", i, "] = ", groups[i], " is not a group index");
     const bool amsgrad = (out.groups[groups[i]].flags & kFlagAmsgrad) != 0;
     check_like(grads[i], p, "grads", i);
-    check_fp32_like(exp_avgs[i], p, "exp_avgs", i);
-    check_fp32_like(exp_avg_sqs[i], p, "exp_avg_sqs", i);
     UpdateTensor t{};
+    t.moment_kind = moment_kind_of(exp_avgs[i], p, "exp_avgs", i);
+    TORCH_CHECK(moment_kind_of(exp_avg_sqs[i], p, "exp_avg_sqs", i) == t.moment_kind, "ampfused: exp_avg_sqs[", i,
+                "] is ", exp_avg_sqs[i].scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
+                ": a tensor's moments share one dtype");
     t.param = p.data_ptr();
     t.grad = grads[i].data_ptr();
-    t.exp_avg = exp_avgs[i].data_ptr<float>();
-    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    // [note: compact pointers] a bf16 moment / int16 or int8 master travels in the record's float*
+    // fields; the kind says what they point at (contract.h)
+    t.exp_avg = static_cast<float*>(exp_avgs[i].data_ptr());
+    t.exp_avg_sq = static_cast<float*>(exp_avg_sqs[i].data_ptr());
     if (amsgrad) {
       const at::Tensor& vmax = max_exp_avg_sqs[i];
       TORCH_CHECK(present(vmax) || p.numel() == 0, "ampfused: max_exp_avg_sqs[", i, "] is empty (None) but its group uses amsgrad");
       if (p.numel() > 0) {
-        check_fp32_like(vmax, p, "max_exp_avg_sqs", i);
-        t.max_exp_avg_sq = vmax.data_ptr<float>();
+        TORCH_CHECK(moment_kind_of(vmax, p, "max_exp_avg_sqs", i) == t.moment_kind, "ampfused: max_exp_avg_sqs[", i,
+                    "] is ", vmax.scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
+                    ": a tensor's moments share one dtype");
+        t.max_exp_avg_sq = static_cast<float*>(vmax.data_ptr());
       }
     }
     const at::Tensor& master = masters[i];
+    t.master_kind = kMasterF32;
     if (present(master) && p.numel() > 0) {
-      check_fp32_like(master, p, "masters", i);
-      t.master = master.data_ptr<float>();
+      t.master_kind = master_kind_of(master, p, i);
+      t.master = static_cast<float*>(master.data_ptr());
     }
+    t.stochastic = rounding_seed.has_value() ? 1 : 0;
+    t.index = static_cast<int32_t>(i);
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.defined() && step.numel() == 1 && step.scalar_type() == at::kFloat && step.device() == device,
                 "ampfused: steps[", i, "] must be a one-element float32 tensor on ", device);
@@ -146,9 +190,11 @@ UpdateCall collect_update(
     t.param_dtype = dtype_code(p, "params");
     t.grad_dtype = dtype_code(grads[i], "grads");
     t.group = static_cast<int32_t>(groups[i]);
+    const int64_t moment_bytes = t.moment_kind == kMomentF32 ? 4 : 2;
+    const int64_t master_bytes = present(master) ? element_bytes(master) : 4;
     t.aligned = aligned4(t.param, element_size(t.param_dtype)) && aligned4(t.grad, element_size(t.grad_dtype)) &&
-                aligned4(t.exp_avg, 4) && aligned4(t.exp_avg_sq, 4) && aligned4(t.max_exp_avg_sq, 4) &&
-                aligned4(t.master, 4);
+                aligned4(t.exp_avg, moment_bytes) && aligned4(t.exp_avg_sq, moment_bytes) &&
+                aligned4(t.max_exp_avg_sq, moment_bytes) && aligned4(t.master, master_bytes);
     out.tensors.push_back(t);
   }
   out.grad_scale = grad_scale_ptr(grad_scale, device);

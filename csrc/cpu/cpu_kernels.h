@@ -25,6 +25,7 @@ struct UpdateRange : UpdateTensor {
   float unscale;          // 1 / loss scale, as torch's unscale_ rounds it
   int64_t begin;
   int64_t end;
+  uint32_t rounding_keys[4];  // stochastic rounding (compact_random.h): the keys of this range's elements
 };
 
 struct SumSq {
@@ -40,6 +41,8 @@ struct IsaKernels {
   // and whether any float(g[i]) * inv_scale was inf/NaN
   SumSq (*sumsq)(const void* grad, int32_t dtype, int64_t n, float inv_scale);
   void (*update)(const UpdateRange& range);
+  // the update of a range of a tensor with compact state (contract.h's is_compact; compact_update.h)
+  void (*compact_update)(const UpdateRange& range);
 };
 
 // nullptr where the variant was not compiled in (non-x86 or non-GCC-compatible compiler)

@@ -5,11 +5,12 @@
 
 #define AMPFUSED_ISA isa_base
 #include "kernels_impl.h"
+#include "compact_update.h"
 
 namespace ampfused {
 namespace cpu {
 const IsaKernels* kernels_base() {
-  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update};
+  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update, isa_base::compact_update};
   return &k;
 }
 }  // namespace cpu

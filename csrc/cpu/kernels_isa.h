@@ -32,6 +32,7 @@ AMPFUSED_PRAGMA(GCC target(AMPFUSED_GCC_TARGET))
 #define AMPFUSED_HAVE_FMA 1  // every x86 variant built here has FMA (see adamw_math.h)
 #define AMPFUSED_F16C 1       // ... and F16C (kernels_impl.h: [note: fp16 by blocks])
 #include "kernels_impl.h"
+#include "compact_update.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -41,7 +42,8 @@ AMPFUSED_PRAGMA(GCC target(AMPFUSED_GCC_TARGET))
 namespace ampfused {
 namespace cpu {
 const IsaKernels* AMPFUSED_ISA_GETTER() {
-  static const IsaKernels k{AMPFUSED_ISA_NAME, AMPFUSED_ISA::accumulate, AMPFUSED_ISA::sumsq, AMPFUSED_ISA::update};
+  static const IsaKernels k{AMPFUSED_ISA_NAME, AMPFUSED_ISA::accumulate, AMPFUSED_ISA::sumsq, AMPFUSED_ISA::update,
+                                AMPFUSED_ISA::compact_update};
   return &k;
 }
 }  // namespace cpu

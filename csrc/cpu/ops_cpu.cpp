@@ -15,6 +15,7 @@
 #include <string>
 
 #include "../adamw_math.h"
+#include "../compact_random.h"
 #include "../ops_common.h"
 #include "cpu_kernels.h"
 
@@ -133,11 +134,16 @@ void adamw_update_cpu(const UpdateCall& call) {
     for (int64_t b = 0; b < t.numel; b += kRange) {
       ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b,
                                    std::min(t.numel, b + kRange)});
+      if (t.stochastic != 0) {  // ranges never straddle a multiple of 2^32 elements: one high word each
+        const compact::RoundingKeys keys = compact::rounding_keys(static_cast<uint64_t>(*call.rounding_seed), t.index,
+                                                                  static_cast<uint32_t>(b >> 32));
+        std::memcpy(ranges.back().rounding_keys, keys.k, sizeof(keys.k));
+      }
     }
   }
   const IsaKernels& k = kernels();
   at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) k.update(ranges[r]);
+    for (int64_t r = begin; r < end; ++r) is_compact(ranges[r]) ? k.compact_update(ranges[r]) : k.update(ranges[r]);
   });
   for (const UpdateTensor& t : call.tensors) *t.step = *t.step + 1.0f;
 }

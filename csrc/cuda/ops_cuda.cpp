@@ -244,6 +244,11 @@ void point_at_lr(UpdateGroup& group, const at::Tensor& lr, const at::Device& dev
 }
 
 void adamw_update_cuda(const UpdateCall& call) {
+  for (const UpdateTensor& t : call.tensors) {  // checked before anything is launched
+    TORCH_CHECK(!is_compact(t), "ampfused::adamw_update (CUDA): params[", t.index, "] has compact state (an int16/int8 "
+                "master, bf16 moments, or a stochastically rounded bf16 param without a master), which the CUDA "
+                "kernels do not serve yet; the reference passes do");
+  }
   const at::Device device = call.device;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -1,0 +1,310 @@
+// The CPU update of tensors with compact state (DESIGN §9): split16 / split8 masters, bf16
+// moments, stochastic rounding. Included by each ISA file right after kernels_impl.h (whose
+// widen/narrow it uses), into the same namespace; ops_cpu.cpp sends a range here when contract.h's
+// is_compact says so, in the same parallel loop as the fp32 ranges.
+//
+// [note: compact by blocks] A range is walked in blocks of kConvert elements through three float
+// buffers in L1, one phase per job: decode the weights (the fp32 master: join16 / join8, or the
+// param), the AdamW math with the moments read and written in their encoding, then encode the
+// weights (split16 / split8, or the param RNE or stochastically rounded). Each phase is a
+// branch-free loop templated on its own choices only (param type x master kind, moment kind x
+// amsgrad x rounding), so few instantiations cover every combination and each one vectorizes.
+// The math is adamw_element, the fp32 path's, so split16 reproduces the fp32-master step bitwise.
+#ifndef AMPFUSED_ISA
+#error "include compact_update.h from an ISA file, after kernels_impl.h"
+#endif
+
+#include "../compact_math.h"
+#include "../compact_random.h"
+
+namespace ampfused {
+namespace cpu {
+namespace AMPFUSED_ISA {
+namespace compact_loop {
+
+using compact::random_bits;
+
+// The master encodings with a fixed element type (kMasterF32 without a master is kNone).
+constexpr int kNone = -1;
+
+using LoadFn = void (*)(float*, const UpdateRange&, int64_t, int64_t);
+using StepFn = void (*)(float*, const float*, const UpdateRange&, int64_t, int64_t);
+using StoreFn = void (*)(const float*, float*, const UpdateRange&, int64_t, int64_t);
+
+// ------------------------------------------------------------------ phase 1: decode the weights
+
+template <typename P, int MK>
+void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t n) {
+  const P* __restrict p = static_cast<const P*>(r.param) + at;
+  if constexpr (MK == kMasterF32) {
+    const float* __restrict master = r.master + at;
+    for (int64_t j = 0; j < n; ++j) w[j] = master[j];
+  } else if constexpr (MK == kMasterSplit16) {
+    const uint16_t* __restrict low = reinterpret_cast<const uint16_t*>(r.master) + at;
+    for (int64_t j = 0; j < n; ++j) w[j] = compact::join16(p[j].x, low[j]);
+  } else {
+    widen(w, p, n);  // the param itself (exact), F16C for fp16 where the build has it
+    if constexpr (MK == kMasterSplit8) {
+      constexpr bool kFp16 = std::is_same<P, Half>::value;
+      const int8_t* __restrict q = reinterpret_cast<const int8_t*>(r.master) + at;
+      for (int64_t j = 0; j < n; ++j) {
+        // join8 of compact_math.h on the widened param: p + q ulp(p)/256 (exact); for q == 0 the
+        // correction is -0, so p + (-0) keeps p bit for bit (-0, inf, NaN too) with no branch: a
+        // conditional float add is not if-converted under trapping math, and the loop would not vectorize
+        const int qj = q[j];
+        const float fix = compact::scale_pow2(static_cast<float>(qj), compact::ulp_exponent16(p[j].x, kFp16) - 8);
+        w[j] = w[j] + compact::float_of(compact::bits_of(fix) | (qj == 0 ? 0x80000000u : 0u));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ phase 2: the AdamW math
+
+template <bool BF16, bool SR>
+AMPFUSED_HD void put_moment(void* base, int64_t j, float x, uint32_t rand16) {
+  if constexpr (BF16) {
+    static_cast<uint16_t*>(base)[j] = SR ? compact::bf16_sr_bits(x, rand16) : compact::bf16_rne_bits(x);
+  } else {
+    static_cast<float*>(base)[j] = x;
+  }
+}
+
+template <bool BF16>
+AMPFUSED_HD float get_moment(const void* base, int64_t j) {
+  if constexpr (BF16) {
+    return compact::bf16_to_float(static_cast<const uint16_t*>(base)[j]);
+  } else {
+    return static_cast<const float*>(base)[j];
+  }
+}
+
+// w: the decoded weights in, the new weights out; g: the raw gradient (times r.factor here).
+template <bool BF16, bool AMSGRAD, bool SR>
+void step_moments(float* __restrict w, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
+  using M = std::conditional_t<BF16, uint16_t, float>;
+  M* __restrict m = reinterpret_cast<M*>(r.exp_avg) + at;
+  M* __restrict v = reinterpret_cast<M*>(r.exp_avg_sq) + at;
+  M* __restrict vmax = AMSGRAD ? reinterpret_cast<M*>(r.max_exp_avg_sq) + at : nullptr;
+  const AdamWScalars s = *r.scalars;
+  const float factor = r.factor;
+  const uint32_t k0 = static_cast<uint32_t>(at), key0 = r.rounding_keys[0], key1 = r.rounding_keys[1],
+                 key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
+  for (int64_t j = 0; j < n; ++j) {
+    float mi = get_moment<BF16>(m, j);
+    float vi = get_moment<BF16>(v, j);
+    float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
+    adamw_element<AMSGRAD>(w[j], g[j] * factor, mi, vi, vmaxi, s);
+    const uint32_t bits_a = SR ? random_bits(k0 + static_cast<uint32_t>(j), key0, key1) : 0u;
+    put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
+    put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
+    if (AMSGRAD) {
+      const uint32_t bits_b = SR ? random_bits(k0 + static_cast<uint32_t>(j), key2, key3) : 0u;
+      put_moment<BF16, SR>(vmax, j, vmaxi, bits_b & 0xFFFFu);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ phase 3: encode the weights
+
+template <typename P, int MK, bool SR>
+void store_weights(const float* __restrict w, float* __restrict tmp, const UpdateRange& r, int64_t at, int64_t n) {
+  P* __restrict p = static_cast<P*>(r.param) + at;
+  if constexpr (MK == kMasterSplit16) {
+    uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
+    for (int64_t j = 0; j < n; ++j) {
+      uint16_t hi, lo;
+      compact::split16(w[j], hi, lo);
+      p[j].x = hi;
+      low[j] = lo;
+    }
+  } else if constexpr (MK == kMasterSplit8) {
+    constexpr bool kFp16 = std::is_same<P, Half>::value;
+    int8_t* __restrict q = reinterpret_cast<int8_t*>(r.master) + at;
+    narrow(p, w, n);    // p = RNE(w), as split8's param
+    widen(tmp, p, n);   // and back, exactly, for the residual
+    for (int64_t j = 0; j < n; ++j) {
+      const float t = compact::scale_pow2(w[j] - tmp[j], 8 - compact::ulp_exponent16(p[j].x, kFp16));  // exact
+      float c = rintf(t);
+      c = c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c);
+      q[j] = static_cast<int8_t>(is_finite_f32(t) ? c : 0.0f);
+    }
+  } else {
+    if constexpr (MK == kMasterF32) {
+      float* __restrict master = r.master + at;
+      for (int64_t j = 0; j < n; ++j) master[j] = w[j];
+    }
+    if constexpr (SR && MK == kNone && std::is_same<P, BFloat16>::value) {
+      // a bf16 param without a master: stochastic (the param's stream, see compact_random.h)
+      const uint32_t k0 = static_cast<uint32_t>(at), key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
+      for (int64_t j = 0; j < n; ++j) {
+        p[j].x = compact::bf16_sr_bits(w[j], random_bits(k0 + static_cast<uint32_t>(j), key2, key3) >> 16);
+      }
+    } else if constexpr (MK == kNone && std::is_same<P, BFloat16>::value) {
+      for (int64_t j = 0; j < n; ++j) p[j].x = compact::bf16_rne_bits(w[j]);  // as round_bf16 (NaN stays quiet)
+    } else {
+      narrow(p, w, n);  // RNE, as the fp32 path writes the param
+    }
+  }
+}
+
+// The unscaled gradient written back (with a grad scale), as the fp32 path does.
+template <typename G>
+void store_unscaled(const float* __restrict g, float* __restrict tmp, const UpdateRange& r, int64_t at, int64_t n) {
+  G* __restrict out = static_cast<G*>(r.grad_out) + at;
+  const float unscale = r.unscale;
+  if constexpr (std::is_same<G, float>::value) {
+    for (int64_t j = 0; j < n; ++j) out[j] = g[j] * unscale;
+  } else {
+    for (int64_t j = 0; j < n; ++j) tmp[j] = g[j] * unscale;
+    narrow(out, tmp, n);
+  }
+}
+
+// ------------------------------------------------------------------ split16 in one loop
+
+// [note: fused split16] The mode that must be as fast as the fp32-master step gets the three phases
+// in one loop: join16, the math and split16 per element, with no weight buffer in between.
+template <bool BF16, bool AMSGRAD, bool SR>
+void split16_step(float* __restrict /*unused*/, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
+  using M = std::conditional_t<BF16, uint16_t, float>;
+  uint16_t* __restrict p = static_cast<uint16_t*>(r.param) + at;
+  uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
+  M* __restrict m = reinterpret_cast<M*>(r.exp_avg) + at;
+  M* __restrict v = reinterpret_cast<M*>(r.exp_avg_sq) + at;
+  M* __restrict vmax = AMSGRAD ? reinterpret_cast<M*>(r.max_exp_avg_sq) + at : nullptr;
+  const AdamWScalars s = *r.scalars;
+  const float factor = r.factor;
+  const uint32_t k0 = static_cast<uint32_t>(at), key0 = r.rounding_keys[0], key1 = r.rounding_keys[1],
+                 key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
+  for (int64_t j = 0; j < n; ++j) {
+    float w = compact::join16(p[j], low[j]);
+    float mi = get_moment<BF16>(m, j);
+    float vi = get_moment<BF16>(v, j);
+    float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
+    adamw_element<AMSGRAD>(w, g[j] * factor, mi, vi, vmaxi, s);
+    const uint32_t bits_a = SR ? random_bits(k0 + static_cast<uint32_t>(j), key0, key1) : 0u;
+    put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
+    put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
+    if (AMSGRAD) {
+      const uint32_t bits_b = SR ? random_bits(k0 + static_cast<uint32_t>(j), key2, key3) : 0u;
+      put_moment<BF16, SR>(vmax, j, vmaxi, bits_b & 0xFFFFu);
+    }
+    uint16_t hi, lo;
+    compact::split16(w, hi, lo);
+    p[j] = hi;
+    low[j] = lo;
+  }
+}
+
+template <bool BF16>
+StepFn split16_for_m(bool amsgrad, bool sr) {
+  if (amsgrad) return sr ? &split16_step<BF16, true, true> : &split16_step<BF16, true, false>;
+  return sr ? &split16_step<BF16, false, true> : &split16_step<BF16, false, false>;
+}
+
+void no_weights(float*, const UpdateRange&, int64_t, int64_t) {}
+void no_store(const float*, float*, const UpdateRange&, int64_t, int64_t) {}
+
+// ------------------------------------------------------------------ choosing the phases
+
+template <typename P, int MK>
+LoadFn pick_load() { return &load_weights<P, MK>; }
+
+template <typename P>
+LoadFn load_for(int mk) {
+  switch (mk) {
+    case kMasterF32: return pick_load<P, kMasterF32>();
+    case kNone: return pick_load<P, kNone>();
+    default: break;
+  }
+  if constexpr (std::is_same<P, BFloat16>::value) {
+    if (mk == kMasterSplit16) return pick_load<P, kMasterSplit16>();
+  }
+  if constexpr (!std::is_same<P, float>::value) {
+    if (mk == kMasterSplit8) return pick_load<P, kMasterSplit8>();
+  }
+  return nullptr;
+}
+
+template <typename P, bool SR>
+StoreFn store_for_sr(int mk) {
+  switch (mk) {
+    case kMasterF32: return &store_weights<P, kMasterF32, SR>;
+    case kNone: return &store_weights<P, kNone, SR>;
+    default: break;
+  }
+  if constexpr (std::is_same<P, BFloat16>::value) {
+    if (mk == kMasterSplit16) return &store_weights<P, kMasterSplit16, SR>;
+  }
+  if constexpr (!std::is_same<P, float>::value) {
+    if (mk == kMasterSplit8) return &store_weights<P, kMasterSplit8, SR>;
+  }
+  return nullptr;
+}
+
+template <typename P>
+StoreFn store_for(int mk, bool sr) { return sr ? store_for_sr<P, true>(mk) : store_for_sr<P, false>(mk); }
+
+template <bool BF16>
+StepFn step_for_m(bool amsgrad, bool sr) {
+  if (amsgrad) return sr ? &step_moments<BF16, true, true> : &step_moments<BF16, true, false>;
+  return sr ? &step_moments<BF16, false, true> : &step_moments<BF16, false, false>;
+}
+
+template <typename G>
+void grad_block(const UpdateRange& r, int64_t at, int64_t n, float* buf, const float*& out) {
+  if constexpr (std::is_same<G, float>::value) {
+    out = static_cast<const float*>(r.grad) + at;
+  } else {
+    widen(buf, static_cast<const G*>(r.grad) + at, n);
+    out = buf;
+  }
+}
+
+}  // namespace compact_loop
+
+void compact_update(const UpdateRange& r) {
+  using namespace compact_loop;
+  // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
+  const bool sr = r.stochastic != 0;
+  const int mk = r.master == nullptr ? kNone : r.master_kind;
+  LoadFn load = nullptr;
+  StoreFn store = nullptr;
+  switch (r.param_dtype) {
+    case kF32: load = load_for<float>(mk); store = store_for<float>(mk, false); break;
+    case kF16: load = load_for<Half>(mk); store = store_for<Half>(mk, false); break;
+    default: load = load_for<BFloat16>(mk); store = store_for<BFloat16>(mk, sr); break;
+  }
+  const bool amsgrad = r.max_exp_avg_sq != nullptr;
+  StepFn step = r.moment_kind == kMomentBF16 ? step_for_m<true>(amsgrad, sr) : step_for_m<false>(amsgrad, false);
+  if (mk == kMasterSplit16) {  // [note: fused split16]
+    load = &no_weights;
+    store = &no_store;
+    step = r.moment_kind == kMomentBF16 ? split16_for_m<true>(amsgrad, sr) : split16_for_m<false>(amsgrad, false);
+  }
+  StoreFn unscaled = nullptr;
+  if (r.grad_out != nullptr) {
+    unscaled = r.grad_dtype == kF32 ? &store_unscaled<float> : r.grad_dtype == kF16 ? &store_unscaled<Half>
+                                                                                    : &store_unscaled<BFloat16>;
+  }
+  if (load == nullptr || store == nullptr) return;  // unreachable: collect_update checked the pairs
+  float wbuf[kConvert], gbuf[kConvert], tmp[kConvert];
+  for (int64_t at = r.begin; at < r.end; at += kConvert) {
+    const int64_t n = r.end - at < kConvert ? r.end - at : kConvert;
+    const float* g;
+    switch (r.grad_dtype) {
+      case kF32: grad_block<float>(r, at, n, gbuf, g); break;
+      case kF16: grad_block<Half>(r, at, n, gbuf, g); break;
+      default: grad_block<BFloat16>(r, at, n, gbuf, g); break;
+    }
+    load(wbuf, r, at, n);
+    step(wbuf, g, r, at, n);
+    store(wbuf, tmp, r, at, n);
+    if (unscaled != nullptr) unscaled(g, tmp, r, at, n);
+  }
+}
+
+}  // namespace AMPFUSED_ISA
+}  // namespace cpu
+}  // namespace ampfused
