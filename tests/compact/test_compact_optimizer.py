@@ -177,10 +177,16 @@ def test_lossy_mode_is_the_reference_run_of_that_mode(backend, master_weights, s
         return
     # a native variant: fp32 arithmetic in another order (and its own random bits) moves a code or a
     # bf16 ulp here and there; the decoded state stays within the encodings' resolution
+    # a param without master under SR is rounded with other random bits at each of the 8 steps: the
+    # two runs walk apart by up to one bf16 ulp (2^-7 relative) per step
+    rtol = 8 * 2**-7 if stochastic and master_weights is False else 2e-2
     for p, q, s, t in zip(params, ref_params, full_state(opt, params), full_state(ref, ref_params)):
-        torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(p.float(), q.float(), rtol=rtol, atol=1e-3)
         for key in s:
-            torch.testing.assert_close(s[key].float(), t[key].float(), rtol=1.5e-1, atol=1e-6, msg=key)
+            # with SR the two runs' moments take other random roundings at each step: up to 8 bf16 ulps of
+            # the tensor's scale apart (an element near zero has a tiny ulp but inherits the earlier ones)
+            atol = 8 * 2**-8 * t[key].float().abs().max().item() if stochastic else 1e-6
+            torch.testing.assert_close(s[key].float(), t[key].float(), rtol=1.5e-1, atol=atol, msg=key)
 
 
 def test_stochastic_rounding_is_reproducible_and_unbiased(backend):
