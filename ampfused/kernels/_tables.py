@@ -129,7 +129,9 @@ class ScratchRows:
     def __init__(self, rows: Rows, host: Tensor, grads: list, addr_column: int, aligned_column: int, other_aligned: Tensor,
                  device: torch.device, memo: dict):
         # numpy on the host side: its small ops cost ~1 us where torch's cost ~10 (Triton requires numpy)
-        self.rows, self.host, self.grads, self.memo = rows, host.numpy(), grads, memo
+        # [note: no grads kept] only their addresses: holding the grads between steps would keep a
+        # whole set of gradients alive after zero_grad(set_to_none=True)
+        self.rows, self.host, self.memo = rows, host.numpy(), memo
         self.addr_column, self.aligned_column, self.other_aligned = addr_column, aligned_column, other_aligned.numpy()
         self.count = len(grads)
         self.modulus = numpy.array([4 * g.element_size() for g in grads], dtype=numpy.int64)
@@ -141,33 +143,21 @@ class ScratchRows:
         """The table for ``grads``, or None when their count differs. The caller promises the rest
         (dtypes, shapes, strides unchanged: ``ampfused._plan`` checks them), so nothing else is read."""
         now_capturing = capturing(self.device)
-        if grads is not self.grads or (self.built_in_capture and not now_capturing):
-            if len(grads) != self.count:
-                return None
-            addresses, column = grad_addresses(grads, self.memo)
-            if addresses != self.addresses or (self.built_in_capture and not now_capturing):
-                host = self.host.copy()
-                host[:, self.addr_column] = column
-                host[:, self.aligned_column] = self.other_aligned & (column % self.modulus == 0)
-                data, pinned = upload(torch.from_numpy(host), self.device)
-                self.rows, self.host, self.addresses = Rows(rows=data, n_tensors=host.shape[0], host=pinned), host, addresses
-                self.built_in_capture = now_capturing
-            self.grads = grads
+        if len(grads) != self.count:
+            return None
+        addresses = list(map(Tensor.data_ptr, grads))
+        if addresses != self.addresses or (self.built_in_capture and not now_capturing):
+            column = numpy.array(addresses, dtype=numpy.int64)
+            host = self.host.copy()
+            host[:, self.addr_column] = column
+            host[:, self.aligned_column] = self.other_aligned & (column % self.modulus == 0)
+            data, pinned = upload(torch.from_numpy(host), self.device)
+            self.rows, self.host, self.addresses = Rows(rows=data, n_tensors=host.shape[0], host=pinned), host, addresses
+            self.built_in_capture = now_capturing
         if now_capturing and not any(r is self.rows for r in _retained):
             _retained.append(self.rows)  # a graph replays these addresses: see [note: cuda graphs]
         return self.rows
 
-
-def grad_addresses(grads: list, memo: dict) -> tuple[list, numpy.ndarray]:
-    """(``data_ptr()`` of every grad, as an int64 array too), read once per grads list: the stats
-    and update passes of a step get the same list."""
-    cached = memo.get("grad addresses")
-    if cached is not None and cached[0] is grads:
-        return cached[1], cached[2]
-    addresses = list(map(Tensor.data_ptr, grads))
-    column = numpy.array(addresses, dtype=numpy.int64)
-    memo["grad addresses"] = (grads, addresses, column)
-    return addresses, column
 
 
 def clear() -> None:

@@ -10,9 +10,6 @@ import ampfused
 from helpers import DEVICE, assert_states_close, available_backends
 
 BACKENDS = available_backends()
-# The Triton backend's row tables (kernels/_tables.py: ScratchRows.grads and the memo's "grad
-# addresses") still hold the last step's grads list: known, left to that backend.
-HOLDS_GRADS = {"triton": "kernels/_tables.py keeps the last step's grads list in its row-table memo"}
 
 
 def _params():
@@ -25,8 +22,7 @@ def _set_grads(params, k):
         p.grad = torch.full_like(p, 0.01 * (k + 1) * (i + 1))
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=HOLDS_GRADS[b]))
-                                     if b in HOLDS_GRADS else b for b in BACKENDS])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_grad_frees_the_last_steps_grads(backend):
     params = _params()
     opt = ampfused.FusedAmpAdamW(params, backend=backend)
