@@ -13,7 +13,8 @@
    just before the step outside the timing, as backward leaves them; ``p.grad = None`` after it):
    torch fused vs ``FusedAmpAdamW(skip_nonfinite=False)`` (*plain*, one pass) and the default
    (*guard*, stats + update), and ``clip_grad_norm_`` + torch fused vs ``max_grad_norm=1.0``
-   (*clip*). One step of every provider per round, the order rotated each round; then every
+   (*clip*), and the same with a GradScaler (torch's ``unscale_`` before the clip; ampfused with and
+   without ``keep_scaled_grads``). One step of every provider per round, the order rotated each round; then every
    provider's params and moments are checked against its torch counterpart.
 
 Writes ``streaming.csv`` and ``streaming.md`` to ``--out`` and prints the tables with the load of
@@ -142,7 +143,14 @@ STEP_PROVIDERS = {  # name: (baseline it is compared with, modeled bytes per ele
     "ampfused-guard": ("torch-fused", 32),
     "torch-fused+clip": ("", 40),
     "ampfused+clip": ("torch-fused+clip", 32),
+    # [note: scaled clip] the GradScaler recipe: torch unscales in place (8) before clip_grad_norm_ (12)
+    # and the fused step (28); ampfused reads g once for the stats (4) and writes it back unscaled
+    # (DESIGN §2.7: 4) in the update, or not with keep_scaled_grads
+    "torch-fused+scaler+clip": ("", 48),
+    "ampfused+scaler+clip": ("torch-fused+scaler+clip", 36),
+    "ampfused+scaler+clip+keep_scaled_grads": ("torch-fused+scaler+clip", 32),
 }
+LOSS_SCALE = 1024.0  # the scaled providers' gradients are the plain ones times this
 
 
 class StepProvider:
@@ -150,17 +158,30 @@ class StepProvider:
         self.name = name
         self.params = [torch.nn.Parameter(t.clone()) for t in init]
         hypers = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        self.scaled = "+scaler" in name
+        scale = dict(init_scale=LOSS_SCALE, growth_interval=10**6)  # the scale stays put while timed
         if name.startswith("torch"):
             self.opt = torch.optim.AdamW(self.params, fused=True, **hypers)
+            self.scaler = torch.amp.GradScaler("cpu", **scale) if self.scaled else None
         else:
             self.opt = ampfused.FusedAmpAdamW(self.params, skip_nonfinite=name != "ampfused-plain", backend="cpu",
-                                              max_grad_norm=MAX_GRAD_NORM if name.endswith("+clip") else None, **hypers)
-        self.clip = name == "torch-fused+clip"
+                                              max_grad_norm=MAX_GRAD_NORM if "+clip" in name else None,
+                                              keep_scaled_grads=name.endswith("+keep_scaled_grads"), **hypers)
+            self.scaler = ampfused.GradScaler("cpu", **scale) if self.scaled else None
+        self.clip = name.startswith("torch") and "+clip" in name
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones(()))  # as a loop's scaler.scale(loss): builds the scale tensor
 
     def step(self) -> None:
+        if self.scaler is not None and self.clip:
+            self.scaler.unscale_(self.opt)
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, MAX_GRAD_NORM, foreach=True)
-        self.opt.step()
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
 
     def moments(self, p):
         return self.opt.state[p]["exp_avg"], self.opt.state[p]["exp_avg_sq"]
@@ -173,6 +194,7 @@ def step_rows(numel: int, tensors: int, rounds: int, env: dict, clock=time.perf_
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(n, generator=gen).mul_(0.02) for n in sizes]
     grads = [torch.randn(n, generator=gen).mul_(GRAD_STD) for n in sizes]  # norm >> 1: clipping engages
+    scaled_grads = [g * LOSS_SCALE for g in grads]  # exact: a power of two
     providers = [StepProvider(name, init) for name in STEP_PROVIDERS]
     del init
     samples: dict[str, list[float]] = {p.name: [] for p in providers}
@@ -180,7 +202,7 @@ def step_rows(numel: int, tensors: int, rounds: int, env: dict, clock=time.perf_
     for r in range(rounds + 1):  # round 0 builds the lazy state and is not timed
         k = r % len(providers)
         for provider in providers[k:] + providers[:k]:
-            for p, g in zip(provider.params, grads):
+            for p, g in zip(provider.params, scaled_grads if provider.scaled else grads):
                 p.grad = g.clone()  # fresh: new pages, written just now (as backward leaves them)
             start = clock()
             provider.step()
@@ -215,7 +237,7 @@ def _check_same(reference: StepProvider, other: StepProvider) -> None:
     12.5M elements a tensor (torch 2.13, CPU), ampfused sums in double blocks. Moments scale with the
     coefficient (rtol 1e-3); the params move by lr * m/(sqrt(v) + eps), where only eps keeps the
     coefficient from cancelling, so they stay within 2e-6 a step."""
-    clip = other.name.endswith("+clip")
+    clip = "+clip" in other.name
     steps = int(reference.opt.state[reference.params[0]]["step"])
     p_tol = dict(rtol=1e-5, atol=2e-6 * steps) if clip else dict(rtol=1e-5, atol=1e-7)
     m_tol = dict(rtol=1e-3, atol=1e-9) if clip else dict(rtol=1e-5, atol=1e-9)

@@ -34,8 +34,11 @@ def test_streaming_reports_passes_and_steps(tmp_path):
         assert float(r["gbps"]) > 0 and float(r["roofline_frac"]) > 0, r
     assert float(passes["roofline: a += b (fp32)"]["roofline_frac"]) == pytest.approx(1.0)
     steps = {r["name"]: r for r in table if r["section"] == "steps"}
-    assert set(steps) == {"torch-fused", "ampfused-plain", "ampfused-guard", "torch-fused+clip", "ampfused+clip"}
+    assert set(steps) == {"torch-fused", "ampfused-plain", "ampfused-guard", "torch-fused+clip", "ampfused+clip",
+                          "torch-fused+scaler+clip", "ampfused+scaler+clip", "ampfused+scaler+clip+keep_scaled_grads"}
     assert steps["ampfused+clip"]["baseline"] == "torch-fused+clip"
+    assert steps["ampfused+scaler+clip+keep_scaled_grads"]["baseline"] == "torch-fused+scaler+clip"
+    assert int(steps["ampfused+scaler+clip"]["bytes_per_elem"]) == 36
     assert float(steps["ampfused-plain"]["speedup_vs_baseline"]) > 0
     assert "% of a += b" in (out / "streaming.md").read_text()
 
