@@ -62,17 +62,19 @@ def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.
         raise ValueError(
             f"{len(ours) - len(names)} params whose gradients the optimizer accumulates in fp32 are not params of this "
             "module: build the optimizer on module.parameters() (and wrap the same module)")
-    left = [p for n, p in module.named_parameters() if p.requires_grad and n not in set(names)]
+    already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    mine, ignored = set(names), set(already)
+    left = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in mine}
     if names and not left:
         # DDP refuses a module with nothing left for its reducer: the same surface, without a reducer
         ddp = _Fp32DataParallel(module, **ddp_kwargs)
     else:
         if names:
-            already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, already + names)
         ddp = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
     if names:
-        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"), [] if isinstance(ddp, _Fp32DataParallel) else left)
+        reduced_by_ddp = [] if isinstance(ddp, _Fp32DataParallel) else [p for n, p in left.items() if n not in ignored]
+        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"), reduced_by_ddp)
     return ddp
 
 
