@@ -9,7 +9,8 @@ harness fails a hang after its timeout instead of blocking).
   fp32 masters fed our gradients (params, masters, moments, step counts).
 - A rank on which no param of the model gets a gradient at all (frozen shared layers, nothing routed,
   the output depending only on an input that requires grad), with and without a DDP reducer: the
-  gradients are the average of the ranks' local gradients (grad None where no rank had one), the
+  gradients are the average of the ranks' local gradients, zeros where a rank had none (grad None
+  where no rank had one), the
   step equals the fp32-master oracle. Stock DDP hangs there when some rank reaches one of its params,
   so the oracle is the local gradients; with a DDP reducer that no rank reaches in a backward, every
   rank warns once that DDP joined nothing.
