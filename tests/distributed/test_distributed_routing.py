@@ -70,14 +70,29 @@ def loss_of(module, step, rank, requires_grad):
     return torch.nn.functional.mse_loss(module(x, route1 if rank else route0, use_gate), y)
 
 
-def feed(params, masters, what, step):
-    """Every rank holds the same gradient; the fp32 masters get a copy of it."""
+def setup(backend, shared_fp32, gate):
+    """(model, its twin, params, fp32 masters, FusedAmpAdamW over the params, torch AdamW over the masters)."""
+    model, twin = Routed(shared_fp32, gate), Routed(shared_fp32, gate)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    return (model, twin, params, masters, ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend),
+            torch.optim.AdamW(masters, lr=1e-2))
+
+
+def step_both(opt, ref, params, masters, twin, what):
+    """Every rank holds the same gradient; the fp32 masters get a copy of it; both optimizers step; the
+    twin takes our params."""
     for i, (p, m) in enumerate(zip(params, masters)):
         if p.grad is not None:
             gathered = [torch.empty_like(p.grad) for _ in range(WORLD)]
             dist.all_gather(gathered, p.grad)
-            assert torch.equal(gathered[0], gathered[1]), f"{what} step {step}: grad {i} differs across ranks"
+            assert torch.equal(gathered[0], gathered[1]), f"{what}: grad {i} differs across ranks"
         m.grad = None if p.grad is None else p.grad.detach().float().clone()
+    opt.step(), ref.step()
+    opt.zero_grad(), twin.zero_grad()
+    with torch.no_grad():
+        for p, q in zip(params, twin.parameters()):
+            q.copy_(p)
 
 
 def check_state(opt, ref, params, masters, backend, what):
@@ -91,11 +106,7 @@ def check_state(opt, ref, params, masters, backend, what):
 
 def check_rank_without_experts(rank, backend):
     """Rank 0 routes nothing to the bf16 experts: ours must still join; equal to stock DDP and the oracle."""
-    model, twin = Routed(shared_fp32=True, gate=True), Routed(shared_fp32=True, gate=True)
-    params = list(model.parameters())
-    masters = [p.detach().float().clone() for p in params]
-    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend)
-    ref = torch.optim.AdamW(masters, lr=1e-2)
+    model, twin, params, masters, opt, ref = setup(backend, shared_fp32=True, gate=True)
     ours = ampfused.distributed.data_parallel(model, opt, find_unused_parameters=True)
     stock = DDP(twin, find_unused_parameters=True)
     for step in range(len(SCHEDULE)):  # the fp32 shared layer keeps DDP's reducer busy on every rank
@@ -106,22 +117,13 @@ def check_rank_without_experts(rank, backend):
             assert (p.grad is None) == (q.grad is None), f"{what}: param {i} grad None must match DDP's"
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad.float(), rtol=2e-2, atol=2e-3, msg=f"{what}: grad {i}")
-        feed(params, masters, backend, step)
-        opt.step(), ref.step()
-        opt.zero_grad(), twin.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(params, twin.parameters()):
-                q.copy_(p)
+        step_both(opt, ref, params, masters, twin, what)
     check_state(opt, ref, params, masters, backend, f"{backend} rank without experts")
 
 
 def check_rank_without_any_gradient(rank, backend, gate):
     """Steps in which no param of the model gets a gradient on rank 0: the average of the local gradients."""
-    model, twin = Routed(shared_fp32=False, gate=gate), Routed(shared_fp32=False, gate=gate)
-    params = list(model.parameters())
-    masters = [p.detach().float().clone() for p in params]
-    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=backend)
-    ref = torch.optim.AdamW(masters, lr=1e-2)
+    model, twin, params, masters, opt, ref = setup(backend, shared_fp32=False, gate=gate)
     ddp = ampfused.distributed.data_parallel(model, opt, find_unused_parameters=True)
     assert isinstance(ddp, DDP) == gate, "with every trainable param fp32-accumulated there is no DDP reducer"
     what = f"{backend} gate={gate}"
@@ -139,12 +141,7 @@ def check_rank_without_any_gradient(rank, backend, gate):
                 else:
                     assert p.grad is not None, f"{what} step {step}: param {i} used on a rank must get a gradient"
                     torch.testing.assert_close(p.grad, local / WORLD, rtol=1e-6, atol=1e-7, msg=f"{what}: grad {i}")
-            feed(params, masters, what, step)
-            opt.step(), ref.step()
-            opt.zero_grad(), twin.zero_grad()
-            with torch.no_grad():
-                for p, q in zip(params, twin.parameters()):
-                    q.copy_(p)
+            step_both(opt, ref, params, masters, twin, f"{what} step {step}")
     skipped = [w for w in caught if "reaches none of the params DistributedDataParallel" in str(w.message)]
     assert len(skipped) == (1 if gate else 0), f"{what}: one warning when DDP's reducer joined nothing, got {skipped}"
     check_state(opt, ref, params, masters, backend, what)
