@@ -34,7 +34,7 @@ NUMPY_HINT = "Triton needs numpy, which is not installed; `pip install numpy`"
 
 def _probe_triton():
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError as exc:
         if getattr(exc, "name", None) == "numpy":
             return None, NUMPY_HINT

@@ -21,11 +21,14 @@ bf16 params with ``fp32_grad_accumulation=False`` sends 2 B per param in bf16. M
 The reduction is ``SUM`` then ``/ world_size`` in fp32 (DDP's average). A param that got no gradient
 on any rank keeps ``grad None`` and is not stepped; one unused on some ranks gets the average of the
 others' gradients (zeros from the ranks that did not use it): DDP's ``find_unused_parameters=True``
-(see ``_Fp32Reducer._reduce``).
+(see ``_Fp32Reducer._reduce``). Every rank whose synced backward reaches the wrapped module's output
+joins that all-reduce, also when none of its fp32-accumulated params got a gradient there (see
+``_Fp32Reducer``).
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import Tensor
@@ -59,17 +62,19 @@ def data_parallel(module: torch.nn.Module, optimizer, **ddp_kwargs) -> torch.nn.
         raise ValueError(
             f"{len(ours) - len(names)} params whose gradients the optimizer accumulates in fp32 are not params of this "
             "module: build the optimizer on module.parameters() (and wrap the same module)")
-    left = [p for n, p in module.named_parameters() if p.requires_grad and n not in set(names)]
+    already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    mine, ignored = set(names), set(already)
+    left = {n: p for n, p in module.named_parameters() if p.requires_grad and n not in mine}
     if names and not left:
         # DDP refuses a module with nothing left for its reducer: the same surface, without a reducer
         ddp = _Fp32DataParallel(module, **ddp_kwargs)
     else:
         if names:
-            already = list(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, already + names)
         ddp = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
     if names:
-        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"))
+        reduced_by_ddp = [] if isinstance(ddp, _Fp32DataParallel) else [p for n, p in left.items() if n not in ignored]
+        _Fp32Reducer(ddp, main_grads, ddp_kwargs.get("process_group"), reduced_by_ddp)
     return ddp
 
 
@@ -119,15 +124,27 @@ class _Fp32DataParallel(torch.nn.Module):
 
 
 class _Fp32Reducer:
-    """All-reduces the optimizer's flat fp32 gradients once at the end of each synced backward."""
+    """All-reduces the optimizer's flat fp32 gradients once at the end of each synced backward.
 
-    def __init__(self, ddp, main_grads, group):
+    [note: every rank joins] The all-reduce is queued (an autograd callback at the end of the
+    backward, as DDP queues its own) by the first of two triggers: a gradient reaching the wrapped
+    module's output, or one of the fp32-accumulated params (for a loss that reaches them outside the
+    forward). A param hook alone is not enough: on a rank where none of those params gets a gradient
+    (an MoE rank that routed nothing to the bf16 experts, a conditional branch) nothing would queue
+    the collective, and the ranks that did would wait for it forever. ``ddp_params`` are the params
+    DDP's own reducer all-reduces (empty without one): see :meth:`_warn_if_ddp_skips`.
+    """
+
+    def __init__(self, ddp, main_grads, group, ddp_params):
         self.main_grads = main_grads
         self.group = group
         self.ddp = ddp
+        self.ddp_params = ddp_params
         self.sync = False  # latched at forward, as DDP decides at forward whether the backward syncs
         self.queued = False
+        self.warned = False
         ddp.register_forward_pre_hook(self._latch)
+        ddp.register_forward_hook(self._hook_outputs)
         for p in main_grads.params:  # after the optimizer's own hook: p.grad is main_grad by then
             p.register_post_accumulate_grad_hook(self._queue)
         ddp._ampfused_fp32_reducer = self  # lives as long as the DDP module
@@ -136,10 +153,37 @@ class _Fp32Reducer:
     def _latch(self, ddp, args) -> None:
         self.sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
 
-    def _queue(self, p: Tensor) -> None:
+    def _hook_outputs(self, ddp, args, output) -> None:
+        if self.sync:
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, Tensor) and t.requires_grad:
+                    t.register_hook(self._queue)
+
+    def _queue(self, _) -> None:
         if self.sync and not self.queued:
+            self._warn_if_ddp_skips()
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _warn_if_ddp_skips(self) -> None:
+        """Warn (once) when this rank's synced backward reaches none of DDP's own trainable params.
+
+        [note: a rank with no DDP gradient] DDP's reducer starts its all-reduces from hooks on its
+        params; a backward that reaches none of them joins nothing of DDP's on this rank. That is
+        fine when every rank does so, and hangs the others when some rank's backward does reach them
+        (stock DDP with ``find_unused_parameters=True`` hangs the same way): a collective mismatch only
+        this rank can see, so it says so before it happens rather than refuse a pattern DDP allows.
+        Asked of the engine (``_will_engine_execute_node``, what torch's ``register_multi_grad_hook``
+        uses): in the usual backward the first param answers.
+        """
+        will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+        if self.warned or will_execute is None:
+            return
+        edge = torch.autograd.graph.get_gradient_edge
+        trainable = [p for p in self.ddp_params if p.requires_grad]  # (a DDP whose params all froze joins nowhere)
+        if trainable and not any(will_execute(edge(p).node) for p in trainable):
+            self.warned = True
+            warnings.warn(DDP_SKIPPED_MESSAGE, UserWarning, stacklevel=2)
 
     @torch.no_grad()
     def _reduce(self) -> None:
@@ -174,3 +218,10 @@ class _Fp32Reducer:
             used_anywhere = used[unused_here].tolist()
             for i, count in zip(unused_here, used_anywhere):
                 params[i].grad = flat.views[i] if count else None
+
+
+DDP_SKIPPED_MESSAGE = (
+    "ampfused.distributed.data_parallel: this rank's synced backward reaches none of the params DistributedDataParallel "
+    "reduces itself, so DDP's reducer joins no all-reduce on this rank. If another rank's backward does reach them, "
+    "that rank waits for this one forever (stock DDP hangs the same way): make every rank's loss depend on the same "
+    "DDP params in each synced backward (e.g. add 0 * the skipped branch's output)")

@@ -61,26 +61,31 @@ def random_words(offs, key, SECOND: tl.constexpr):
 
 
 @triton.jit
+def _typed_ptr(addr, DTYPE: tl.constexpr, ALIGN_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
+    """``addr`` as a pointer to DTYPE, hinted ALIGN_BYTES-aligned (4-element vectors) when ALIGNED."""
+    ptr = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, ALIGN_BYTES)
+    return ptr
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _load_bf16(addr, offs, mask, ALIGNED: tl.constexpr):
-    bits_ptr = addr.to(tl.pointer_type(tl.uint16))
-    if ALIGNED:
-        bits_ptr = tl.multiple_of(bits_ptr, 8)
+    bits_ptr = _typed_ptr(addr, tl.uint16, 8, ALIGNED)
     return (tl.load(bits_ptr + offs, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
-        code_ptr = addr.to(tl.pointer_type(tl.int8))
+        code_ptr = _typed_ptr(addr, tl.int8, 4, ALIGNED)
     else:
-        code_ptr = addr.to(tl.pointer_type(tl.uint8))
-    if ALIGNED:
-        code_ptr = tl.multiple_of(code_ptr, 4)
+        code_ptr = _typed_ptr(addr, tl.uint8, 4, ALIGNED)
     code = tl.load(code_ptr + offs, mask=mask).to(tl.int32)
     scale = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + groups, mask=group_mask)[:, None]
     if SIGNED:
@@ -95,10 +100,7 @@ def load_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, ALIGNED:
                 INT8: tl.constexpr, SIGNED: tl.constexpr):
     """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``)."""
     if kind == STATE_FP32:
-        fp32_ptr = addr.to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            fp32_ptr = tl.multiple_of(fp32_ptr, 16)
-        x = tl.load(fp32_ptr + offs, mask=mask)
+        x = tl.load(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
         if BF16 and INT8:
             if kind == STATE_BF16:
@@ -114,9 +116,7 @@ def load_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, ALIGNED:
 
 @triton.jit
 def _store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constexpr):
-    bits_ptr = addr.to(tl.pointer_type(tl.uint16))
-    if ALIGNED:
-        bits_ptr = tl.multiple_of(bits_ptr, 8)
+    bits_ptr = _typed_ptr(addr, tl.uint16, 8, ALIGNED)
     if SR:
         bits = K.bf16_sr_bits(x, rand)
     else:
@@ -135,15 +135,10 @@ def _store_int8(addr, scale_addr, offs, mask, groups, group_mask, x, ALIGNED: tl
     scale = tl.reduce(magnitude, 1, _max_nan)
     tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + groups, scale, mask=group_mask)
     if SIGNED:
-        code_ptr = addr.to(tl.pointer_type(tl.int8))
-        if ALIGNED:
-            code_ptr = tl.multiple_of(code_ptr, 4)
-        tl.store(code_ptr + offs, K.encode_exp_avg(x, scale[:, None]).to(tl.int8), mask=mask)
+        tl.store(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale[:, None]).to(tl.int8), mask=mask)
     else:
-        code_ptr = addr.to(tl.pointer_type(tl.uint8))
-        if ALIGNED:
-            code_ptr = tl.multiple_of(code_ptr, 4)
-        tl.store(code_ptr + offs, K.encode_exp_avg_sq(x, scale[:, None]).to(tl.uint8), mask=mask)
+        tl.store(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, K.encode_exp_avg_sq(x, scale[:, None]).to(tl.uint8),
+                 mask=mask)
 
 
 @triton.jit
@@ -152,10 +147,7 @@ def store_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, x, rand
     """Store fp32 ``x`` in the moment's encoding; bf16 rounds stochastically with the low 16 bits of
     ``rand`` when SR; int8 takes new block maxima as scales ([note: int8 blocks])."""
     if kind == STATE_FP32:
-        fp32_ptr = addr.to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            fp32_ptr = tl.multiple_of(fp32_ptr, 16)
-        tl.store(fp32_ptr + offs, x, mask=mask)
+        tl.store(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
     else:
         if BF16 and INT8:
             if kind == STATE_BF16:
@@ -178,16 +170,17 @@ def _join8(bits, residual, param_dtype):
 
 
 @triton.jit
+def _split_ptrs(param_addr, master_addr, ALIGNED: tl.constexpr):
+    """The 16-bit param's bits and the master's int16 low half / int8 residual (one of the two is used)."""
+    return (_typed_ptr(param_addr, tl.uint16, 8, ALIGNED), _typed_ptr(master_addr, tl.uint16, 8, ALIGNED),
+            _typed_ptr(master_addr, tl.int8, 4, ALIGNED))
+
+
+@triton.jit
 def load_split_master(param_addr, param_dtype, master_addr, kind, offs, mask, ALIGNED: tl.constexpr,
                       SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
     """fp32 master joined from the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
-    bits_ptr = param_addr.to(tl.pointer_type(tl.uint16))
-    low_ptr = master_addr.to(tl.pointer_type(tl.uint16))
-    residual_ptr = master_addr.to(tl.pointer_type(tl.int8))
-    if ALIGNED:
-        bits_ptr = tl.multiple_of(bits_ptr, 8)
-        low_ptr = tl.multiple_of(low_ptr, 8)
-        residual_ptr = tl.multiple_of(residual_ptr, 4)
+    bits_ptr, low_ptr, residual_ptr = _split_ptrs(param_addr, master_addr, ALIGNED)
     bits = tl.load(bits_ptr + offs, mask=mask).to(tl.uint32)
     if SPLIT16 and SPLIT8:
         if kind == MASTER_SPLIT16:
@@ -222,13 +215,7 @@ def _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w):
 def store_split_master(param_addr, param_dtype, master_addr, kind, offs, mask, w, ALIGNED: tl.constexpr,
                        SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
     """Split the fp32 master ``w`` into the 16-bit param and its low half / residual, and store both."""
-    bits_ptr = param_addr.to(tl.pointer_type(tl.uint16))
-    low_ptr = master_addr.to(tl.pointer_type(tl.uint16))
-    residual_ptr = master_addr.to(tl.pointer_type(tl.int8))
-    if ALIGNED:
-        bits_ptr = tl.multiple_of(bits_ptr, 8)
-        low_ptr = tl.multiple_of(low_ptr, 8)
-        residual_ptr = tl.multiple_of(residual_ptr, 4)
+    bits_ptr, low_ptr, residual_ptr = _split_ptrs(param_addr, master_addr, ALIGNED)
     if SPLIT16 and SPLIT8:
         if kind == MASTER_SPLIT16:
             _store_split16(bits_ptr, low_ptr, offs, mask, w)
@@ -275,10 +262,7 @@ def store_state(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8
     else:
         if SR:
             if param_dtype == 2:  # bf16 without a master: stochastic rounding
-                bits_ptr = param_addr.to(tl.pointer_type(tl.uint16))
-                if ALIGNED:
-                    bits_ptr = tl.multiple_of(bits_ptr, 8)
-                tl.store(bits_ptr + offs, K.bf16_sr_bits(w, word1 >> 16).to(tl.uint16), mask=mask)
+                _store_bf16(param_addr, offs, mask, w, word1 >> 16, ALIGNED, True)
             else:
                 store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
         else:

@@ -92,36 +92,24 @@ def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, W
     (the round trips overlap) instead of once per dependent value.
     """
     g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED)
-    if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
-        if SPLIT16 or SPLIT8:  # the kernel sends split masters only here: [note: split masters per program]
-            w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED, SPLIT16,
-                                     SPLIT8)
-        elif has_master:
-            w = tl.load(master_ptr + offs, mask=mask)
-        else:
-            w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
-        if BF16_STATE or INT8_STATE:
-            m = CS.load_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, ALIGNED,
-                               BF16_STATE, INT8_STATE, True)
-            v = CS.load_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, ALIGNED,
-                               BF16_STATE, INT8_STATE, False)
-            if amsgrad:
-                v_max = CS.load_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, ALIGNED,
-                                       BF16_STATE, INT8_STATE, False)
-            else:
-                v_max = v
-        else:
-            m = tl.load(exp_avg_ptr + offs, mask=mask)
-            v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
-            if amsgrad:
-                v_max = tl.load(max_sq_ptr + offs, mask=mask)
-            else:
-                v_max = v
+    # (every flag here is a constexpr: a plain launch compiles to the fp32 loads alone)
+    if SPLIT16 or SPLIT8:  # the kernel sends split masters only here: [note: split masters per program]
+        w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED, SPLIT16, SPLIT8)
+    elif has_master:
+        w = tl.load(master_ptr + offs, mask=mask)
     else:
-        if has_master:
-            w = tl.load(master_ptr + offs, mask=mask)
+        w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
+    if BF16_STATE or INT8_STATE:
+        m = CS.load_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, ALIGNED,
+                           BF16_STATE, INT8_STATE, True)
+        v = CS.load_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, ALIGNED,
+                           BF16_STATE, INT8_STATE, False)
+        if amsgrad:
+            v_max = CS.load_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, ALIGNED,
+                                   BF16_STATE, INT8_STATE, False)
         else:
-            w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
+            v_max = v
+    else:
         m = tl.load(exp_avg_ptr + offs, mask=mask)
         v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
         if amsgrad:

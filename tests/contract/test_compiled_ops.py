@@ -13,7 +13,7 @@ import ampfused
 from ampfused import _compiled, reference
 from ampfused._contract import Hyper
 import testing_extension
-from test_passes import assert_update_close, make_tensors as _make_tensors, stats_vector
+from test_passes import assert_update_close, make_tensors as _make_tensors
 
 _CPU_BACKEND, _CPU_REASON = _compiled.get_backend("cpu")
 pytestmark = pytest.mark.skipif(_CPU_BACKEND is None, reason=f"compiled backend unavailable: {_CPU_REASON}")

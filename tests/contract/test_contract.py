@@ -39,6 +39,44 @@ def test_kernel_copies_equal_the_contract():
     assert _tables.SCRATCH_BYTES == _contract.SCRATCH_BYTES
 
 
+def layout_table():
+    """(name, tensor) pairs covering the layouts a param, grad or state tensor can have."""
+    base = torch.randn(4, 6, 5, 3)
+    return [
+        ("contiguous", torch.randn(4, 6)),
+        ("transposed", torch.randn(4, 6).t()),
+        ("channels_last", base.to(memory_format=torch.channels_last)),
+        ("permuted", base.permute(2, 0, 3, 1)),
+        ("strided slice", torch.randn(4, 6)[:, ::2]),
+        ("row slice", torch.randn(4, 6)[1:3]),
+        ("column slice", torch.randn(4, 6)[:, 1:4]),
+        ("expanded", torch.randn(4, 1).expand(4, 6)),
+        ("overlapping", torch.randn(8).as_strided((3, 4), (2, 1))),
+        ("size-1 dims, odd strides", torch.randn(6).as_strided((1, 6, 1), (99, 1, 7))),
+        ("0-d", torch.tensor(1.5)),
+        ("0-d view", torch.randn(3)[1]),
+        ("empty", torch.empty(0, 3)),
+        ("empty, odd strides", torch.empty(0, 3).as_strided((0, 3), (1, 5))),
+        ("one element", torch.randn(1, 1).as_strided((1, 1), (3, 5))),
+    ]
+
+
+def test_kernel_layout_checks_equal_the_contract():
+    """``_tables.dense`` / ``same_flat_layout`` are the kernels' copies of the contract's (see the module
+    note); they must answer alike on every layout."""
+    pytest.importorskip("triton", reason="the Triton kernels' copies need triton to import")
+    from ampfused.kernels import _tables
+
+    table = layout_table()
+    expected_dense = {"contiguous", "transposed", "channels_last", "permuted", "row slice",
+                      "size-1 dims, odd strides", "0-d", "0-d view", "empty", "empty, odd strides", "one element"}
+    assert {name for name, t in table if _contract.is_dense(t)} == expected_dense
+    for name, t in table:
+        assert _tables.dense(t) == _contract.is_dense(t), name
+        for other_name, other in table:
+            assert _tables.same_flat_layout(t, other) == _contract.same_flat_layout(t, other), (name, other_name)
+
+
 def test_python_modules_use_the_contract_itself():
     assert functional.Hyper is _contract.Hyper and functional.STATS_SIZE == _contract.STATS_SIZE
     assert reference.finish_ is _contract.finish_
@@ -48,8 +86,7 @@ def test_python_modules_use_the_contract_itself():
 def backends_to_check():
     out = [("reference", reference), ("compiled", CompiledBackend("cpu", None))]
     try:
-        import triton  # noqa: F401
-        from ampfused import kernels
+        from ampfused import kernels  # (imports triton)
     except ImportError:  # the compiled and reference backends are still checked
         return out
     return out + [("triton", kernels)]

@@ -210,7 +210,7 @@ def test_at_most_one_low_precision_gradient_alive_and_no_zeroing_pass(device):
 def test_user_tensor_hooks_and_create_graph_feed_the_fp32_sum(device):
     """A user's p.register_hook runs before the fp32 accumulation sees g; create_graph still accumulates."""
     model, oracle = model_of(torch.bfloat16, device), model_of(torch.bfloat16, device)
-    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR)  # noqa: F841 (alive: it owns the fp32 grads)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR)  # alive to the end: it owns the fp32 grads
     for p in list(model.parameters()) + list(oracle.parameters()):
         p.register_hook(lambda g: g * 2)
     sums = [torch.zeros(p.shape, device=device) for p in oracle.parameters()]
@@ -223,6 +223,7 @@ def test_user_tensor_hooks_and_create_graph_feed_the_fp32_sum(device):
             p.grad = None
     for total, p in zip(sums, model.parameters()):
         assert p.grad is p.main_grad and torch.equal(p.grad.detach(), total)
+    del opt
 
 
 def _adders_of_one_backward(params, x):

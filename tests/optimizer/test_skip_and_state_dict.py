@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampfused
-from helpers import assert_bitwise_equal, assert_states_close, clone_params, make_params, random_grads, snapshot, tol
+from helpers import assert_bitwise_equal, assert_states_close, clone_params, make_params, random_grads, snapshot
 
 SHAPES = [(33, 5), (1025,), (1,)]
 

@@ -412,7 +412,7 @@ def test_frozen_later_params_and_a_memory_format_change_still_step(backend, devi
 
 def test_a_param_frozen_between_forward_and_backward_gets_no_gradient(device):
     model = bf16_linear(device)
-    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # noqa: F841 (alive: it owns the fp32 grads)
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # alive to the end: it owns the fp32 grads
     x = batches(2, device)
     model(x[0]).float().square().sum().backward()
     before = model.weight.grad.clone()
@@ -420,11 +420,12 @@ def test_a_param_frozen_between_forward_and_backward_gets_no_gradient(device):
     model.weight.requires_grad_(False)  # as AccumulateGrad: a param that no longer requires grad is left alone
     loss.backward()
     assert torch.equal(model.weight.grad, before)
+    del opt
 
 
 def test_a_users_pre_hook_on_the_accumulator_still_sees_every_gradient(device):
     model = bf16_linear(device)
-    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # noqa: F841
+    opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2)  # alive to the end: it owns the fp32 grads
     seen = []
     node = torch.autograd.graph.get_gradient_edge(model.weight).node
     node.register_prehook(lambda grads: seen.append(None if grads[0] is None else grads[0].dtype))
@@ -434,6 +435,7 @@ def test_a_users_pre_hook_on_the_accumulator_still_sees_every_gradient(device):
         model(xb).float().square().sum().backward()
     assert seen == [torch.bfloat16] * 3
     assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+    del opt
 
 
 def test_concurrent_backwards_on_shared_params_lose_no_micro_batch():
@@ -441,7 +443,7 @@ def test_concurrent_backwards_on_shared_params_lose_no_micro_batch():
     import threading
 
     p = torch.nn.Parameter(torch.zeros(1 << 18, dtype=torch.bfloat16))
-    opt = ampfused.FusedAmpAdamW([p], lr=1e-2)  # noqa: F841
+    opt = ampfused.FusedAmpAdamW([p], lr=1e-2)  # alive to the end: it owns the fp32 grads
     p.float().sum().backward()  # the first micro-batch: p.grad is the fp32 view from now on
 
     def work():
@@ -454,6 +456,7 @@ def test_concurrent_backwards_on_shared_params_lose_no_micro_batch():
     for t in threads:
         t.join()
     assert p.grad is p.main_grad and p.grad.min().item() == p.grad.max().item() == 31.0
+    del opt
 
 
 def test_pending_masters_of_a_torch_checkpoint_survive_a_copy_and_a_state_reset(backend, device):
