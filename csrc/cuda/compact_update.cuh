@@ -241,11 +241,15 @@ __device__ __forceinline__ void store_weights(const UpdateTensor& t, int64_t at,
 // Elements [begin, end) of compact tensor t (begin a multiple of kGroup), by every thread of the
 // block; write_grad: the unscaled gradient g * unscale goes back into the grad (DESIGN §2.7).
 // seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that also serves
-// int8 moments (its new moments wait for their scales in registers; the other variant has none).
+// int8 moments.
 //
 // [note: compact registers] A lane's two parts are stepped one after the other (load, math, grad,
-// weights and, unless int8, moments), so only the new int8 moments of the first part wait, for
-// their group's scale, while the second is stepped.
+// weights and, unless int8, moments), so one part's working set is live at a time, plus, for
+// int8, the group's new moments (24 floats a lane), which wait in registers for their scales. They
+// make the int8 variant's 112 registers (one block of 512 per SM, against two for the others:
+// docs/results/sm90-kernels.md). Stepping the moments twice instead (the maxima first, then the
+// whole step, reading the group again from L1) took 90 registers, still one block per SM, and
+// capping at 64 spilled in the loop.
 template <bool INT8>
 __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s,
                                              float factor, bool write_grad, float unscale, uint64_t seed) {
