@@ -154,13 +154,14 @@ class CompiledBackend:
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                       stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
                       rounding_seed: int | None = None) -> None:
-        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); the block scales
-        # of int8 moments as three op entries per tensor, when a kernel that serves them gets any
-        scales = None
+        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 codes with
+        # their block scales, three per tensor (an empty tensor for none), where the kernels serve them
+        flat_scales = None
         if moment_scales is not None and any(s is not None for s in moment_scales):
             if "int8" not in self.COMPACT_MODES:
                 raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
-            scales = self._flat_scales(moment_scales, params[0].device)
+            empty = self._empty(params[0].device)
+            flat_scales = [empty if t is None else t for s in moment_scales for t in (s if s is not None else (None,) * 3)]
         # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
         lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
         lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]
@@ -173,7 +174,7 @@ class CompiledBackend:
             list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
             [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
             self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
-            scales)
+            flat_scales)
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 
@@ -182,16 +183,6 @@ class CompiledBackend:
         torch.ops.ampfused.scaler_update(found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps,
                                          consecutive_skips, watch, float(growth_factor), float(backoff_factor),
                                          int(growth_interval), int(hysteresis), None if min_scale is None else float(min_scale))
-
-    def _flat_scales(self, moment_scales, device: torch.device) -> list[Tensor]:
-        """``moment_scales`` (per tensor: None, or (exp_avg, exp_avg_sq, max_exp_avg_sq or None) scales)
-        as the op's flat list: three entries per tensor, an empty tensor for each None."""
-        none = self._empty(device)
-        flat = []
-        for entry in moment_scales:
-            entry = (None, None, None) if entry is None else tuple(entry) + (None,) * (3 - len(entry))
-            flat.extend(none if s is None else s for s in entry)
-        return flat
 
     def _scratch_buffer(self, scratch, device: torch.device) -> Tensor | None:
         """The caller's launch scratch for the CUDA kernels ([note: scratch]); the CPU kernels need none."""
