@@ -11,6 +11,7 @@ within a chunk.
 """
 import ctypes
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -51,7 +52,8 @@ def library(tmp_path_factory):
         pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build tests/compact/cuda_emulation.cpp")
     lib = tmp_path_factory.mktemp("cuda_emulation") / "libcuda_emulation.so"
     # the CPU kernels' flags, with the fmas the device and the x86 CPU builds take
-    cmd = [cxx, "-O2", "-ffp-contract=off", "-mfma", "-std=c++17", "-pthread", "-shared", "-fPIC",
+    fma = ["-mfma"] if platform.machine() in ("x86_64", "AMD64") else []  # (aarch64 has it by default)
+    cmd = [cxx, "-O2", "-ffp-contract=off", *fma, "-std=c++17", "-pthread", "-shared", "-fPIC",
            f"-I{ROOT / 'tests' / 'compact' / 'cuda_emulation'}", f"-I{ROOT / 'csrc'}",
            str(ROOT / "tests" / "compact" / "cuda_emulation.cpp"), "-o", str(lib)]
     built = subprocess.run(cmd, capture_output=True, text=True)
