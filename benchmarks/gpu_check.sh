@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first-contact GPU check: ONE command of at most 6 minutes on an H200 (torch
+# The first-contact GPU check: ONE command of at most 7.5 minutes on an H200 (torch
 # 2.11, Triton 3.6, no internet), so that a rerun fits in the same 15-minute device lease.
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh            # default OUT: ./gpu-results
@@ -10,11 +10,16 @@
 # markdown and plot). Both are rewritten (atomically: write, then mv) after EVERY stage, so a stage
 # that hangs, or a lease that ends, keeps what the earlier stages produced.
 #
-# Stages, by value, each under its own timeout (seconds; they sum to 355):
+# Stages, by value, each under its own timeout (seconds; they sum to 450):
 #   setup 15 (setuptools >= 77 for the pyproject license field, versions, nvidia-smi)
 #   build 150 (AMPFUSED_BUILD_CUDA=1: a CPU-only build fails loudly; build log kept) | info 10
-#   gpu_tests 75 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr, launches, kernels at size)
-#   bench 70 (fp32 and bf16 steps at 124M and 1B vs stock fused + clip_grad_norm_, copy roofline)
+#   gpu_tests 75 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr and compact state,
+#     launches, kernels at size)
+#   compact 35 (the CUDA kernel's compact modes against the specification and the reference:
+#     tests/compact/test_cuda_compact.py, its own stage so that a timeout of either keeps the other)
+#   bench 65 (fp32 and bf16 steps at 124M and 1B vs stock fused + clip_grad_norm_, copy roofline)
+#   memory 65 (the memory sweep: every compact mode's ms/step and kept B/param, measured, at the GPU
+#     plan's 124M GPT-2-like shapes and 1B, against stock fused and ampfused fp32 masters)
 #   host 35 (host time and launches per step at 148, 291 and 2000 tensors)
 # Without a GPU the CUDA stages fail at once with a clear message (no hang); the host stage runs.
 set -uo pipefail
@@ -102,8 +107,12 @@ if [ "$build_rc" != 0 ]; then
     echo "build failed (rc=$build_rc): the tests would run a stale or CPU-only ampfused; see build.log" | tee -a "$summary"
 fi
 # (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree)
-stage gpu_tests 75 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
-stage bench 70 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
+stage gpu_tests 75 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --deselect tests/compact/test_cuda_compact.py \
+    --junitxml="$WORK/gpu_tests.xml"
+stage compact 35 "$ROOT" pytest tests/compact/test_cuda_compact.py -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
+stage bench 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
+# (the GPU plan's memory cases are its 124M and 1B shapes; `--sizes` is refused without the size sweep)
+stage memory 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --gate-steps 1 --out "$WORK/memory"
 stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291,2000 --repeats 10 --out "$WORK/host.csv"
 echo "total: $((SECONDS - START))s, budget ${TOTAL}s of stage timeouts" | tee -a "$summary"
 pack

@@ -54,6 +54,7 @@ struct UpdateParams {
   const float* grad_scale;    // nullptr, or the loss scale: the unscaled gradient is written into the grads
   unsigned int* counter;      // zero between launches; the last block resets it
   const UpdateGroup* groups;  // nullptr: inline_groups
+  uint64_t rounding_seed;     // stochastic rounding of the tensors whose record says so (compact_random.h)
   UpdateGroup inline_groups[kInlineGroups];
 };
 
@@ -72,13 +73,21 @@ struct StatsParams {
 };
 
 // Defined in passes.cu; they return the launch's error (cudaSuccess when it was queued).
-cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t stream);
+// The update kernel's variants: a call's tensors decide which one it launches (ops_cuda.cpp).
+enum UpdateVariant : int {
+  kUpdatePlain = 0,        // no compact state (contract.h's is_compact)
+  kUpdateCompact = 1,      // compact masters, bf16 moments, stochastic rounding
+  kUpdateCompactInt8 = 2,  // and int8 moments
+};
+
+cudaError_t launch_update(const UpdateParams& params, UpdateVariant variant, int grid, cudaStream_t stream);
 cudaError_t launch_stats(const StatsParams& params, int grid, cudaStream_t stream);
 cudaError_t launch_scaler_update(const float* found_inf, float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                                  int64_t* skipped_steps, int64_t* consecutive_skips, double* watch,
                                  const ScalerRules& rules, cudaStream_t stream);
-// Blocks per SM the occupancy API allows for the update / stats kernel at kBlockSize threads.
-int update_blocks_per_sm();
+// Blocks per SM the occupancy API allows for the update (plain or compact variant) / stats kernel
+// at kBlockSize threads.
+int update_blocks_per_sm(UpdateVariant variant);
 int stats_blocks_per_sm();
 cudaError_t launch_accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n, bool aligned, int grid,
                               cudaStream_t stream);

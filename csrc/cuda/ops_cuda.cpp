@@ -244,31 +244,43 @@ void point_at_lr(UpdateGroup& group, const at::Tensor& lr, const at::Device& dev
 }
 
 void adamw_update_cuda(const UpdateCall& call) {
-  for (const UpdateTensor& t : call.tensors) {  // checked before anything is launched
-    TORCH_CHECK(!is_compact(t), "ampfused::adamw_update (CUDA): params[", t.index, "] has compact state (an int16/int8 "
-                "master, bf16 moments, or a stochastically rounded bf16 param without a master), which the CUDA "
-                "kernels do not serve yet; the reference passes do");
-  }
   const at::Device device = call.device;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // a captured graph would replay this step's seed: the same random bits every step (functional.rounding_seed
+  // refuses it first; this keeps the op itself honest)
+  TORCH_CHECK(!call.rounding_seed.has_value() ||
+                  c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+              "ampfused::adamw_update (CUDA): stochastic rounding (a rounding_seed) cannot be captured in a CUDA graph: "
+              "every replay would reuse the captured seed; capture with stochastic_rounding=False");
 
   std::vector<int64_t> numels;
   std::vector<int64_t> key{2, device.index()};  // 2: update entries
   numels.reserve(call.tensors.size());
-  key.reserve(2 + 9 * call.tensors.size());
+  key.reserve(2 + 13 * call.tensors.size());
+  UpdateVariant variant = kUpdatePlain;
   for (const UpdateTensor& t : call.tensors) {
     for (const void* ptr : {static_cast<const void*>(t.param), static_cast<const void*>(t.grad),
                             static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
                             static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.master),
-                            static_cast<const void*>(t.step)}) {
+                            static_cast<const void*>(t.step), static_cast<const void*>(t.exp_avg_scales),
+                            static_cast<const void*>(t.exp_avg_sq_scales),
+                            static_cast<const void*>(t.max_exp_avg_sq_scales)}) {
       key.push_back(reinterpret_cast<int64_t>(ptr));
     }
     key.push_back(t.numel);
     key.push_back((static_cast<int64_t>(t.group) << 8) | (t.param_dtype << 4) | t.grad_dtype);
+    // the encodings: the same pointers may hold another kind after a state change
+    key.push_back((t.master_kind << 8) | (t.moment_kind << 4) | t.stochastic);
     numels.push_back(t.numel);
+    if (t.moment_kind == kMomentInt8) {
+      variant = kUpdateCompactInt8;
+    } else if (is_compact(t) && variant == kUpdatePlain) {
+      variant = kUpdateCompact;
+    }
   }
-  std::shared_ptr<Table> layout = layout_for(12, device, numels, update_blocks_per_sm());
+  // the grid depends on the variant's occupancy: a layout per variant (12, 13, 14)
+  std::shared_ptr<Table> layout = layout_for(12 + variant, device, numels, update_blocks_per_sm(variant));
   std::shared_ptr<Table> table = cached_table(key, [&] {
     return upload(key, call.tensors.data(), static_cast<int64_t>(call.tensors.size() * sizeof(UpdateTensor)), device);
   });
@@ -289,6 +301,7 @@ void adamw_update_cuda(const UpdateCall& call) {
   const at::Tensor launch_scratch = scratch_or_fresh(call.scratch, device, "ampfused::adamw_update");
   p.grad_scale = call.grad_scale;
   p.counter = update_counter(launch_scratch);
+  p.rounding_seed = static_cast<uint64_t>(call.rounding_seed.value_or(0));
   at::Tensor group_table;
   if (groups.size() <= static_cast<size_t>(kInlineGroups)) {
     std::copy(groups.begin(), groups.end(), p.inline_groups);
@@ -302,7 +315,7 @@ void adamw_update_cuda(const UpdateCall& call) {
     keep_alive.push_back(host);
     p.groups = static_cast<const UpdateGroup*>(group_table.data_ptr());
   }
-  C10_CUDA_CHECK(launch_update(p, layout->grid, stream));
+  C10_CUDA_CHECK(launch_update(p, variant, layout->grid, stream));
   if (group_table.defined()) keep_alive.push_back(group_table);
   keep_for_graphs(std::move(keep_alive));
 }
@@ -329,6 +342,6 @@ void scaler_update_cuda(const at::Tensor& found_inf, const at::Tensor& scale, co
 TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
   m.impl("accumulate", &ampfused::cuda::accumulate_cuda);
   m.impl("grad_stats", &ampfused::cuda::grad_stats_cuda);
-  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CUDA, ampfused::cuda::adamw_update_cuda>);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CUDA, ampfused::cuda::adamw_update_cuda, true>);
   m.impl("scaler_update", &ampfused::cuda::scaler_update_cuda);
 }

@@ -12,6 +12,7 @@
 #include "../adamw_math.h"
 #include "../contract.h"
 #include "../dtypes.h"
+#include "compact_update.cuh"
 #include "multi_tensor.h"
 
 namespace ampfused {
@@ -159,13 +160,20 @@ __device__ double lr_of(const UpdateGroup& h) {
   }
 }
 
+// VARIANT (multi_tensor.h's UpdateVariant): a call with compact tensors (contract.h's is_compact)
+// launches a compact variant, which sends their chunks to compact_update.cuh, the one with int8
+// moments only when one has them; a call without takes the plain variant. Registers are a
+// kernel's, so each variant keeps the occupancy of its own code (docs/results/sm90-kernels.md).
+template <int VARIANT>
 __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
+  constexpr bool COMPACT = VARIANT != kUpdatePlain;
   if (p.stats[kStatsSkip] != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
   const float factor = p.stats[kStatsFactor];
   const bool write_grad = p.grad_scale != nullptr;  // else the grads stay as they are
   const float unscale = inv_scale_of(p.grad_scale);
   const UpdateGroup* groups = p.groups != nullptr ? p.groups : p.inline_groups;
   __shared__ AdamWScalars chunk_scalars;
+  __shared__ UpdateTensor chunk_tensor;  // the compact path reads its record here, not from registers
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
     const UpdateTensor t = p.tensors[chunk.tensor];
@@ -174,11 +182,17 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
     __syncthreads();  // every thread has copied the previous chunk's scalars
     if (threadIdx.x == 0) {
       chunk_scalars = adamw_scalars(lr_of(h), h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*t.step, 1.0f));
+      if (COMPACT) chunk_tensor = t;
     }
     __syncthreads();
     const AdamWScalars s = chunk_scalars;
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
     const int64_t end = min(chunk.start + kChunkSize, t.numel);
+    if (COMPACT && is_compact(t)) {
+      compact_pass::update_chunk<VARIANT == kUpdateCompactInt8>(chunk_tensor, chunk.start, end, chunk_scalars, f,
+                                                                 write_grad, unscale, p.rounding_seed);
+      continue;
+    }
     switch (t.param_dtype) {
       case kF32: update_chunk_p<float>(t, chunk.start, end, s, f, write_grad, unscale); break;
       case kF16: update_chunk_p<Half>(t, chunk.start, end, s, f, write_grad, unscale); break;
@@ -313,8 +327,12 @@ __global__ void __launch_bounds__(kBlockSize) accumulate_kernel(float* dst, cons
 
 }  // namespace
 
-cudaError_t launch_update(const UpdateParams& params, int grid, cudaStream_t stream) {
-  update_kernel<<<grid, kBlockSize, 0, stream>>>(params);
+cudaError_t launch_update(const UpdateParams& params, UpdateVariant variant, int grid, cudaStream_t stream) {
+  switch (variant) {
+    case kUpdateCompactInt8: update_kernel<kUpdateCompactInt8><<<grid, kBlockSize, 0, stream>>>(params); break;
+    case kUpdateCompact: update_kernel<kUpdateCompact><<<grid, kBlockSize, 0, stream>>>(params); break;
+    default: update_kernel<kUpdatePlain><<<grid, kBlockSize, 0, stream>>>(params); break;
+  }
   return cudaGetLastError();
 }
 
@@ -343,9 +361,11 @@ int blocks_per_sm(Kernel kernel) {
 }
 }  // namespace
 
-int update_blocks_per_sm() {
-  static const int blocks = blocks_per_sm(update_kernel);
-  return blocks;
+int update_blocks_per_sm(UpdateVariant variant) {
+  static const int plain = blocks_per_sm(update_kernel<kUpdatePlain>);
+  static const int compact = blocks_per_sm(update_kernel<kUpdateCompact>);
+  static const int compact_int8 = blocks_per_sm(update_kernel<kUpdateCompactInt8>);
+  return variant == kUpdateCompactInt8 ? compact_int8 : variant == kUpdateCompact ? compact : plain;
 }
 
 int stats_blocks_per_sm() {

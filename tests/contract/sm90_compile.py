@@ -280,7 +280,8 @@ def compile_cuda(work: Path) -> tuple[list[dict], list[str]]:
         name = next(n for n in ("scaler_update_kernel", "accumulate_kernel", "update_kernel", "stats_kernel") if n in mangled)
         threads = 1 if name == "scaler_update_kernel" else 512
         inner = spills_in_inner_loops(sass.get(mangled, []))
-        config = {"INS_8BFloat16": "bf16", "INS_4Half": "fp16", "IfE": "fp32"}
+        config = {"INS_8BFloat16": "bf16", "INS_4Half": "fp16", "IfE": "fp32",  # accumulate's grad dtype
+                  "ILi0E": "plain", "ILi1E": "compact", "ILi2E": "compact + int8 moments"}  # update's variant
         dtype = next((v for k, v in config.items() if k in mangled), "")
         rows.append(dict(kernel=f"{name} (CUDA)", config=dtype, threads=threads, **info, smem_total=info["smem"],
                          inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, info["smem"])))
@@ -297,6 +298,8 @@ def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
     if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
         max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
+    if name == "update_kernel" and "int8" in config:
+        max_regs = 128  # a warp's new int8 moments wait for their block's scale (csrc/cuda/compact_update.cuh)
     out = []
     if regs > max_regs:
         out.append(f"{name} [{config}]: {regs} registers > budget {max_regs}")

@@ -109,6 +109,40 @@ def test_ops_validate_inputs():
         torch.ops.ampfused.adamw_update(*bad_layout)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_moment_scales_are_checked_before_anything_is_written(device):
+    """moment_scales: three entries per tensor, fp32 scales of ceil(n / 256) elements for int8 codes,
+    empty for the others; a kernel without int8 moments refuses the codes themselves."""
+    backend = backend_for(device)
+    args = list(update_args(device, torch.float32, True))
+    none = torch.empty(0, device=device)
+    before = [t.clone() for t in args[0]]
+    with pytest.raises(RuntimeError, match="three entries per tensor"):
+        torch.ops.ampfused.adamw_update(*args, None, None, None, [none] * 5)
+    with pytest.raises(RuntimeError, match="not int8 codes"):
+        torch.ops.ampfused.adamw_update(*args, None, None, None, [torch.ones(1, device=device)] + [none] * 5)
+    codes = list(args)
+    n = args[0][0].numel()
+    codes[2] = [torch.zeros(n, dtype=torch.int8, device=device), args[2][1]]
+    codes[3] = [torch.zeros(n, dtype=torch.uint8, device=device), args[3][1]]
+    codes[4] = [torch.zeros(n, dtype=torch.uint8, device=device), args[4][1]]
+    one = torch.ones(1, device=device)  # ceil(33 / 256) scales
+    if "int8" not in backend.COMPACT_MODES:
+        with pytest.raises(RuntimeError, match="int8 moments are not served"):
+            torch.ops.ampfused.adamw_update(*codes, None, None, None, [one, one, one] + [none] * 3)
+    else:
+        with pytest.raises(RuntimeError, match="moment_scales is None"):
+            torch.ops.ampfused.adamw_update(*codes)
+        with pytest.raises(RuntimeError, match="must be a contiguous float32 tensor of 1 elements"):
+            torch.ops.ampfused.adamw_update(*codes, None, None, None, [one, torch.ones(2, device=device), one] + [none] * 3)
+        mixed = list(codes)
+        mixed[3] = [args[3][0], args[3][1]]  # fp32 exp_avg_sq with int8 exp_avg
+        with pytest.raises(RuntimeError, match="share one dtype"):
+            torch.ops.ampfused.adamw_update(*mixed, None, None, None, [one, one, one] + [none] * 3)
+    for t, b in zip(args[0], before):
+        assert torch.equal(t, b)
+
+
 def test_extension_reports_itself():
     module, why = _compiled.load()
     assert module is not None, why

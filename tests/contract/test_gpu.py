@@ -73,10 +73,16 @@ def test_training_steps_never_sync(backend, dtype):
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+# compact state (DESIGN §9) replays as the fp32 state does: every buffer in the graph's launches
+COMPACT_OPTIONS = [{}, dict(master_weights="split8", state_dtype="int8"), dict(master_weights=False, state_dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("compact", COMPACT_OPTIONS, ids=["fp32", "split8-int8", "no-master-bf16"])
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_cuda_graph_replay_of_step_matches_eager(backend):
+def test_cuda_graph_replay_of_step_matches_eager(backend, compact):
     require(backend)
-    options = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, amsgrad=True, fp32_grad_accumulation=False, backend=backend)
+    options = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, amsgrad=True, fp32_grad_accumulation=False, backend=backend,
+                   **compact)
     eager_params = gpu_params()
     graph_params = [p.detach().clone().requires_grad_() for p in eager_params]
     eager = ampfused.FusedAmpAdamW(eager_params, **options)

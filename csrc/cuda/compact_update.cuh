@@ -1,0 +1,341 @@
+// The CUDA update of a chunk of a tensor with compact state (DESIGN §9): split16 / split8 masters,
+// bf16 and int8 moments, stochastic rounding. Device code only, included by passes.cu, whose
+// compact update variant sends a chunk here when contract.h's is_compact says so: compact and fp32
+// tensors share the one update launch.
+//
+// [note: a warp per scale block] A warp takes 256 consecutive elements at a time, one int8 scale
+// block (chunks start on multiples of 256 within a tensor), and each lane 4 of them at 4*lane and 4
+// at 128 + 4*lane, so each load of the warp reads one contiguous run. The new scale of an int8
+// block is the maximum of its new magnitudes, reduced over the warp with shuffles (NaN wins, as the
+// specification's amax): no shared memory, no barrier, no second pass. Every other mode is walked
+// the same way. Per element it is the CPU's compact update (cpu/compact_update.h) with the same
+// functions: decode the master and moments (compact_math.h), adamw_element, encode; stochastic
+// rounding takes the same counter-based bits (compact_random.h), so both devices give the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../adamw_math.h"
+#include "../compact_math.h"
+#include "../compact_random.h"
+#include "../contract.h"
+#include "../dtypes.h"
+
+namespace ampfused {
+namespace cuda {
+namespace compact_pass {
+
+constexpr int kWarp = 32;
+constexpr int kGroup = compact::kBlock;  // the elements a warp takes at a time: one int8 scale block
+constexpr int kHalfGroup = kGroup / 2;   // a lane's second part starts here
+static_assert(kGroup == 8 * kWarp, "a lane holds two 4-element parts of a group");
+
+// A lane's 8 elements of a group: part h is elements [at[h], at[h] + n[h]) of the tensor (n in 0..4).
+struct Lane {
+  int64_t at[2];
+  int n[2];
+};
+
+template <typename T>
+struct alignas(4 * sizeof(T)) Raw4 {
+  T v[4];
+};
+
+// Elements [0, n) of the 4 at p into out (the rest keep their values); one vector access when vec and n == 4.
+template <typename T>
+__device__ __forceinline__ void load_part(const T* p, int n, bool vec, T out[4]) {
+  if (vec && n == 4) {
+    const Raw4<T> r = *reinterpret_cast<const Raw4<T>*>(p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = r.v[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < n) out[j] = p[j];
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_part(T* p, int n, bool vec, const T in[4]) {
+  if (vec && n == 4) {
+    Raw4<T> r;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.v[j] = in[j];
+    *reinterpret_cast<Raw4<T>*>(p) = r;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < n) p[j] = in[j];
+    }
+  }
+}
+
+// A param or gradient of dtype code `dtype` as fp32 (exact), and back (RNE, as the fp32 path writes it).
+__device__ __forceinline__ void load_floats(const void* base, int32_t dtype, int64_t at, int n, bool vec, float out[4]) {
+  if (dtype == kF32) {
+    load_part(static_cast<const float*>(base) + at, n, vec, out);
+    return;
+  }
+  uint16_t bits[4] = {0, 0, 0, 0};
+  load_part(static_cast<const uint16_t*>(base) + at, n, vec, bits);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = dtype == kF16 ? to_float(Half{bits[j]}) : to_float(BFloat16{bits[j]});
+}
+
+__device__ __forceinline__ void store_floats(void* base, int32_t dtype, int64_t at, int n, bool vec, const float in[4]) {
+  if (dtype == kF32) {
+    store_part(static_cast<float*>(base) + at, n, vec, in);
+    return;
+  }
+  uint16_t bits[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bits[j] = dtype == kF16 ? from_float<Half>(in[j]).x : from_float<BFloat16>(in[j]).x;
+  store_part(static_cast<uint16_t*>(base) + at, n, vec, bits);
+}
+
+// ------------------------------------------------------------------ decode
+
+// The fp32 weights of 4 elements at `at` (n valid): the fp32 master, the param joined with its low
+// half (split16) or residual (split8), or the param itself.
+__device__ __forceinline__ void load_weights(const UpdateTensor& t, int64_t at, int n, bool vec, float out[4]) {
+  if (t.master != nullptr && t.master_kind == kMasterF32) {
+    load_part(t.master + at, n, vec, out);
+  } else if (t.master == nullptr) {
+    load_floats(t.param, t.param_dtype, at, n, vec, out);
+  } else {  // split16 / split8: a 16-bit param (the op's checks)
+    uint16_t bits[4] = {0, 0, 0, 0};
+    load_part(static_cast<const uint16_t*>(t.param) + at, n, vec, bits);
+    if (t.master_kind == kMasterSplit16) {
+      uint16_t low[4] = {0, 0, 0, 0};
+      load_part(reinterpret_cast<const uint16_t*>(t.master) + at, n, vec, low);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = compact::join16(bits[j], low[j]);
+    } else {
+      int8_t q[4] = {0, 0, 0, 0};
+      load_part(reinterpret_cast<const int8_t*>(t.master) + at, n, vec, q);
+      const bool fp16 = t.param_dtype == kF16;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = compact::join8(bits[j], fp16, q[j]);
+    }
+  }
+}
+
+// One moment of 4 elements: fp32, bf16, or int8/uint8 codes times their block's scale.
+__device__ __forceinline__ void load_moment(const float* base, int32_t kind, bool signed_codes, float scale, int64_t at,
+                                            int n, bool vec, float out[4]) {
+  if (kind == kMomentF32) {
+    load_part(base + at, n, vec, out);
+  } else if (kind == kMomentBF16) {
+    uint16_t bits[4] = {0, 0, 0, 0};
+    load_part(reinterpret_cast<const uint16_t*>(base) + at, n, vec, bits);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = compact::bf16_to_float(bits[j]);
+  } else if (signed_codes) {
+    int8_t code[4] = {0, 0, 0, 0};
+    load_part(reinterpret_cast<const int8_t*>(base) + at, n, vec, code);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = compact::decode_exp_avg(code[j], scale);
+  } else {
+    uint8_t code[4] = {0, 0, 0, 0};
+    load_part(reinterpret_cast<const uint8_t*>(base) + at, n, vec, code);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = compact::decode_exp_avg_sq(code[j], scale);
+  }
+}
+
+// ------------------------------------------------------------------ encode
+
+// Store 4 elements of an fp32 or bf16 moment; bf16 rounds to nearest even or, with sr, with the 16
+// random bits (rand[j] >> shift).
+__device__ __forceinline__ void store_moment(float* base, int32_t kind, int64_t at, int n, bool vec, const float x[4],
+                                             bool sr, const uint32_t rand[4], int shift) {
+  if (kind == kMomentF32) {
+    store_part(base + at, n, vec, x);
+    return;
+  }
+  uint16_t bits[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bits[j] = sr ? compact::bf16_sr_bits(x[j], (rand[j] >> shift) & 0xFFFFu) : compact::bf16_rne_bits(x[j]);
+  store_part(reinterpret_cast<uint16_t*>(base) + at, n, vec, bits);
+}
+
+// max that returns NaN when either is NaN (torch.amax), whatever the order of the reduction.
+__device__ __forceinline__ float max_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
+// The maximum over the warp (every lane gets it): a fixed butterfly, so every lane sees the same value.
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Store a warp's group of int8 moment codes: the new scale is the group's maximum of |x| (of
+// sqrt(x) for the uint8 grid), written by lane 0, and every code is encoded with it. All lanes call this.
+__device__ __forceinline__ void store_int8_group(float* base, bool signed_codes, float* scales, int64_t group,
+                                                 const Lane& l, bool vec, const float x[8]) {
+  float magnitude = 0.0f;  // elements past the tensor's end count as 0, as the specification's padding
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float a = fabsf(signed_codes ? x[e] : __fsqrt_rn(x[e]));
+    if (e % 4 < l.n[e / 4]) magnitude = max_nan(magnitude, a);
+  }
+  // every lane read the old scale (load_moment) before it gave its magnitude to the shuffles, which
+  // all lanes reach before any goes on: lane 0's write cannot overtake another lane's read
+  const float scale = warp_max(magnitude);
+  if (threadIdx.x % kWarp == 0) scales[group] = scale;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (signed_codes) {
+      int8_t code[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) code[j] = compact::encode_exp_avg(x[4 * h + j], scale);
+      store_part(reinterpret_cast<int8_t*>(base) + l.at[h], l.n[h], vec, code);
+    } else {
+      uint8_t code[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) code[j] = compact::encode_exp_avg_sq(x[4 * h + j], scale);
+      store_part(reinterpret_cast<uint8_t*>(base) + l.at[h], l.n[h], vec, code);
+    }
+  }
+}
+
+// Store the new weights of 4 elements: the fp32 master and its param, the param split with its low
+// half (split16) or residual (split8), or the param alone (a bf16 one to nearest even or, with sr,
+// stochastically from the bits rand[j] >> 16), as the CPU's compact update writes them.
+__device__ __forceinline__ void store_weights(const UpdateTensor& t, int64_t at, int n, bool vec, const float w[4], bool sr,
+                                              const uint32_t rand[4]) {
+  const bool fp32_master = t.master != nullptr && t.master_kind == kMasterF32;
+  if (fp32_master) store_part(t.master + at, n, vec, w);
+  if (t.param_dtype == kF32) {
+    store_part(static_cast<float*>(t.param) + at, n, vec, w);
+    return;
+  }
+  uint16_t bits[4];
+  if (fp32_master) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bits[j] = t.param_dtype == kF16 ? from_float<Half>(w[j]).x : from_float<BFloat16>(w[j]).x;
+  } else if (t.master != nullptr && t.master_kind == kMasterSplit16) {
+    uint16_t low[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) compact::split16(w[j], bits[j], low[j]);
+    store_part(reinterpret_cast<uint16_t*>(t.master) + at, n, vec, low);
+  } else if (t.master != nullptr) {  // split8
+    int8_t q[4];
+    const bool fp16 = t.param_dtype == kF16;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) compact::split8(w[j], fp16, bits[j], q[j]);
+    store_part(reinterpret_cast<int8_t*>(t.master) + at, n, vec, q);
+  } else if (t.param_dtype == kBF16) {  // no master: as the specification's round_bf16 (NaN stays quiet)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bits[j] = sr ? compact::bf16_sr_bits(w[j], rand[j] >> 16) : compact::bf16_rne_bits(w[j]);
+  } else {  // an fp16 param without a master
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bits[j] = from_float<Half>(w[j]).x;
+  }
+  store_part(static_cast<uint16_t*>(t.param) + at, n, vec, bits);
+}
+
+// ------------------------------------------------------------------ the chunk
+
+// Elements [begin, end) of compact tensor t (begin a multiple of kGroup), by every thread of the
+// block; write_grad: the unscaled gradient g * unscale goes back into the grad (DESIGN §2.7).
+// seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that also serves
+// int8 moments.
+//
+// [note: compact registers] A lane's two parts are stepped one after the other (load, math, grad,
+// weights and, unless int8, moments), so one part's working set is live at a time, plus, for
+// int8, the group's new moments (24 floats a lane), which wait in registers for their scales. They
+// make the int8 variant's 112 registers (one block of 512 per SM, against two for the others:
+// docs/results/sm90-kernels.md). Stepping the moments twice instead (the maxima first, then the
+// whole step, reading the group again from L1) took 90 registers, still one block per SM, and
+// capping at 64 spilled in the loop.
+template <bool INT8>
+__device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s,
+                                             float factor, bool write_grad, float unscale, uint64_t seed) {
+  const int lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  const bool vec = t.aligned != 0;
+  const bool amsgrad = t.max_exp_avg_sq != nullptr;
+  const bool int8 = INT8 && t.moment_kind == kMomentInt8;
+  // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
+  const bool sr_moments = t.stochastic != 0 && t.moment_kind == kMomentBF16;
+  const bool sr_param = t.stochastic != 0 && t.master == nullptr && t.param_dtype == kBF16;
+  compact::RoundingKeys keys{{0u, 0u, 0u, 0u}};
+  // a chunk never straddles a multiple of 2^32 elements: one high word (compact_random.h)
+  if (t.stochastic != 0) keys = compact::rounding_keys(seed, t.index, static_cast<uint32_t>(begin >> 32));
+  for (int64_t base = begin + static_cast<int64_t>(kGroup) * (threadIdx.x / kWarp); base < end;
+       base += static_cast<int64_t>(kGroup) * warps) {  // uniform over the warp: whole warps take a group
+    Lane l;
+    l.at[0] = base + 4 * lane;
+    l.at[1] = base + kHalfGroup + 4 * lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t left = end - l.at[h];
+      l.n[h] = left <= 0 ? 0 : (left >= 4 ? 4 : static_cast<int>(left));
+    }
+    const int64_t group = base / kGroup;
+    float scale_m = 0.0f, scale_v = 0.0f, scale_vmax = 0.0f;
+    if (int8) {
+      scale_m = t.exp_avg_scales[group];
+      scale_v = t.exp_avg_sq_scales[group];
+      if (amsgrad) scale_vmax = t.max_exp_avg_sq_scales[group];
+    }
+    float m8[8], v8[8], vmax8[8];  // the new int8 moments of the group, until its scales are known
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = l.at[h];
+      const int n = l.n[h];
+      float w[4] = {}, g[4] = {}, m[4] = {}, v[4] = {}, vmax[4] = {};
+      load_floats(t.grad, t.grad_dtype, at, n, vec, g);
+      load_weights(t, at, n, vec, w);
+      load_moment(t.exp_avg, t.moment_kind, true, scale_m, at, n, vec, m);
+      load_moment(t.exp_avg_sq, t.moment_kind, false, scale_v, at, n, vec, v);
+      if (amsgrad) load_moment(t.max_exp_avg_sq, t.moment_kind, false, scale_vmax, at, n, vec, vmax);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float gj = __fmul_rn(g[j], factor);
+        if (amsgrad) {
+          adamw_element<true>(w[j], gj, m[j], v[j], vmax[j], s);
+        } else {
+          adamw_element<false>(w[j], gj, m[j], v[j], vmax[j], s);
+        }
+      }
+      if (write_grad) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[j] = __fmul_rn(g[j], unscale);
+        store_floats(t.grad, t.grad_dtype, at, n, vec, g);
+      }
+      // the random words of the elements (compact_random.h): a = (exp_avg, exp_avg_sq), b = (max_exp_avg_sq, param)
+      uint32_t rand_a[4] = {0u, 0u, 0u, 0u}, rand_b[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t k = static_cast<uint32_t>(at + j);
+        if (sr_moments) rand_a[j] = compact::random_bits(k, keys.k[0], keys.k[1]);
+        if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_bits(k, keys.k[2], keys.k[3]);
+      }
+      store_weights(t, at, n, vec, w, sr_param, rand_b);
+      if (INT8 && int8) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          m8[4 * h + j] = m[j];
+          v8[4 * h + j] = v[j];
+          vmax8[4 * h + j] = vmax[j];
+        }
+      } else {
+        store_moment(t.exp_avg, t.moment_kind, at, n, vec, m, sr_moments, rand_a, 0);
+        store_moment(t.exp_avg_sq, t.moment_kind, at, n, vec, v, sr_moments, rand_a, 16);
+        if (amsgrad) store_moment(t.max_exp_avg_sq, t.moment_kind, at, n, vec, vmax, sr_moments, rand_b, 0);
+      }
+    }
+    if (INT8 && int8) {  // warp-uniform: every lane of the warp reaches the shuffles
+      store_int8_group(t.exp_avg, true, t.exp_avg_scales, group, l, vec, m8);
+      store_int8_group(t.exp_avg_sq, false, t.exp_avg_sq_scales, group, l, vec, v8);
+      if (amsgrad) store_int8_group(t.max_exp_avg_sq, false, t.max_exp_avg_sq_scales, group, l, vec, vmax8);
+    }
+  }
+}
+
+}  // namespace compact_pass
+}  // namespace cuda
+}  // namespace ampfused

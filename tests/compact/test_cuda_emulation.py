@@ -1,0 +1,160 @@
+"""The CUDA compact update's code (csrc/cuda/compact_update.cuh) on a machine without a GPU.
+
+tests/compact/cuda_emulation.cpp compiles the device code with the host compiler (a stand-in
+cuda_runtime.h; a block's threads as std::threads, warp shuffles through a barrier) and this file
+runs the GPU tests of tests/compact/test_cuda_compact.py on it, on CPU tensors: the walk over
+lanes, groups, tails and int8 blocks, the new scales, the encodings and the stochastic-rounding
+bits (equal to the CPU kernel's) are checked here; the device's own arithmetic (intrinsics, fma
+contraction, the shuffles themselves) only on a GPU. Every chunk takes the compact path, the fp32
+twins of the tests included, and a block has 64 threads (two warps), so several warps take turns
+within a chunk.
+"""
+import ctypes
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import test_cuda_compact as T
+from ampfused._contract import FACTOR, SKIP
+
+ROOT = Path(__file__).resolve().parents[2]
+POINTERS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "step", "exp_avg_scales",
+            "exp_avg_sq_scales", "max_exp_avg_sq_scales")
+INTS = ("param_dtype", "grad_dtype", "group", "aligned", "master_kind", "moment_kind", "stochastic", "index")
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MASTER_KIND = {torch.float32: 0, torch.int16: 1, torch.int8: 2}
+MOMENT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
+THREADS = 64
+
+
+class UpdateTensor(ctypes.Structure):
+    """csrc/contract.h's record (test_record_matches_the_header holds the field order equal)."""
+    _fields_ = [(n, ctypes.c_void_p) for n in POINTERS] + [("numel", ctypes.c_int64)] + [(n, ctypes.c_int32) for n in INTS]
+
+
+def test_record_matches_the_header():
+    text = (ROOT / "csrc" / "contract.h").read_text()
+    body = text[text.index("struct UpdateTensor {"):text.index("};", text.index("struct UpdateTensor {"))]
+    fields = re.findall(r"^\s*[\w*]+\s+\**(\w+);", body, re.MULTILINE)
+    assert fields == [f for f, _ in UpdateTensor._fields_]
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++/c++/clang++ or $CXX) to build tests/compact/cuda_emulation.cpp")
+    lib = tmp_path_factory.mktemp("cuda_emulation") / "libcuda_emulation.so"
+    # the CPU kernels' flags, with the fmas the device and the x86 CPU builds take
+    fma = ["-mfma"] if platform.machine() in ("x86_64", "AMD64") else []  # (aarch64 has it by default)
+    cmd = [cxx, "-O2", "-ffp-contract=off", *fma, "-std=c++17", "-pthread", "-shared", "-fPIC",
+           f"-I{ROOT / 'tests' / 'compact' / 'cuda_emulation'}", f"-I{ROOT / 'csrc'}",
+           str(ROOT / "tests" / "compact" / "cuda_emulation.cpp"), "-o", str(lib)]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, f"{' '.join(cmd)} failed:\n{built.stderr}"
+    return ctypes.CDLL(str(lib))
+
+
+def address(t):
+    return None if t is None else t.data_ptr()
+
+
+class EmulatedCuda:
+    """adamw_update_ of the Backend protocol over the emulated compact chunks (as the op's checks
+    build the records: ops_common.cpp)."""
+    COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
+                      stats, *, scratch=None, grad_scale=None, moment_scales=None, rounding_seed=None):
+        if float(stats[SKIP]) != 0.0:
+            return
+        factor = float(stats[FACTOR])
+        unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        for i, p in enumerate(params):
+            h = groups[group_ids[i]]
+            vmax = max_exp_avg_sqs[i] if h.amsgrad else None
+            master = masters[i]
+            scales = (moment_scales[i] if moment_scales is not None else None) or (None, None, None)
+            tensors = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, master]
+            record = UpdateTensor(
+                *[address(t) for t in tensors], steps[i].data_ptr(), *[address(s) for s in scales], p.numel(),
+                DTYPE_CODE[p.dtype], DTYPE_CODE[grads[i].dtype], group_ids[i],
+                int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
+                MASTER_KIND[master.dtype] if master is not None else 0, MOMENT_KIND[exp_avgs[i].dtype],
+                int(rounding_seed is not None), i)
+            self.lib.emulated_update(
+                ctypes.byref(record), ctypes.c_double(float(h.lr)), ctypes.c_double(h.beta1), ctypes.c_double(h.beta2),
+                ctypes.c_double(h.eps), ctypes.c_double(h.weight_decay), ctypes.c_float(-factor if h.maximize else factor),
+                ctypes.c_int(grad_scale is not None), ctypes.c_float(unscale),
+                ctypes.c_uint64((rounding_seed or 0) & (2**64 - 1)), ctypes.c_int(record.moment_kind == 2),
+                ctypes.c_int(THREADS))
+
+
+@pytest.fixture
+def emulated(library, monkeypatch):
+    monkeypatch.setattr(T, "BACKEND", EmulatedCuda(library))
+    monkeypatch.setattr(T, "DEVICE", "cpu")
+
+
+# the modes at sizes the emulation (512 thread starts per chunk) affords: a tail, two chunks for
+# split16, int8 with a block cut by the end, and a tensor below the int8 threshold
+MODES = [m for m in T.MODES if m.values[3] != T.N] + [
+    pytest.param(*m.values[:3], 4096 + 300, id=m.id) for m in T.MODES if m.values[3] == T.N]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("param_dtype,master_weights,state_dtype,n", MODES)
+def test_round_to_nearest_modes(emulated, param_dtype, master_weights, state_dtype, n, amsgrad):
+    T.test_round_to_nearest_modes(param_dtype, master_weights, state_dtype, n, amsgrad)
+
+
+@pytest.mark.parametrize("param_dtype,master_weights,state_dtype,n", MODES[::3])
+def test_several_steps(emulated, param_dtype, master_weights, state_dtype, n):
+    T.test_several_steps(param_dtype, master_weights, state_dtype, n)
+
+
+def test_two_chunks_and_unaligned_views(emulated, monkeypatch):
+    monkeypatch.setattr(T, "N", 65536 + 300)
+    T.test_round_to_nearest_modes(torch.bfloat16, "split16", "int8", 65536 + 300, True)
+    T.test_unaligned_views_take_the_element_path(torch.float16, "split8", torch.float32)
+
+
+@pytest.mark.parametrize("param_dtype,master_weights,state_dtype,n", MODES)
+def test_skipped_step_writes_nothing(emulated, param_dtype, master_weights, state_dtype, n):
+    T.test_skipped_step_writes_nothing(param_dtype, master_weights, state_dtype, n)
+
+
+def test_mixed_launch_with_grad_scale_write_back(emulated, monkeypatch):
+    monkeypatch.setattr(T, "N", 4096 + 300)
+    T.test_mixed_launch_with_grad_scale_write_back()
+
+
+def test_split16_tie_rule(emulated):
+    T.test_split16_tie_rule()
+
+
+def test_int8_scales_are_block_maxima_and_nan_blocks_stay_nan(emulated):
+    T.test_int8_scales_are_block_maxima_and_nan_blocks_stay_nan()
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded(emulated):
+    T.test_stochastic_rounding_is_unbiased_and_seeded()
+
+
+def test_stochastic_rounding_draws_the_cpu_kernels_bits(emulated, monkeypatch):
+    monkeypatch.setattr(T, "N", 4096 + 300)
+    T.test_stochastic_rounding_draws_the_cpu_kernels_bits()
+
+
+def test_stochastic_rounding_leaves_exact_masters_exact(emulated, monkeypatch):
+    monkeypatch.setattr(T, "N", 1000)
+    T.test_stochastic_rounding_leaves_exact_masters_exact()
