@@ -10,7 +10,8 @@
 namespace ampfused {
 namespace cpu {
 const IsaKernels* kernels_base() {
-  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update, isa_base::compact_update};
+  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update, isa_base::compact_update,
+                            isa_base::accumulate_sumsq};
   return &k;
 }
 }  // namespace cpu

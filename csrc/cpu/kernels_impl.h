@@ -164,6 +164,72 @@ SumSq sumsq(const void* grad, int32_t dtype, int64_t n, float inv_scale) {
   }
 }
 
+// ------------------------------------------------------------------ accumulate with the stats ("stats at birth")
+// [note: stats at birth] The accumulation of one kRange range that also returns what sumsq() would
+// return for the fp32 values it leaves in dst (with inv_scale 1): the same kSumBlock blocks, the same
+// 16 lanes (lane k adds elements k, k+16, ... of a block), the same block sums and tail, so the
+// stats pass can take these partials instead of reading the range again and give the same bits.
+// FIRST: dst = float(src) (the first micro-batch after a clear), else dst = dst + float(src).
+template <typename T, bool FIRST>
+AMPFUSED_HD float fold_sumsq_block(float* __restrict d, const T* __restrict g, float& bad) {
+  Vec acc[kVecs] = {};
+  Vec nonfinite[kVecs] = {};
+  for (int64_t j = 0; j < kSumBlock; j += kLanes) {
+    float ub[kLanes];
+    for (int k = 0; k < kLanes; ++k) ub[k] = FIRST ? to_float(g[j + k]) : d[j + k] + to_float(g[j + k]);
+    std::memcpy(d + j, ub, sizeof ub);
+    for (int v = 0; v < kVecs; ++v) {
+      Vec u;
+      std::memcpy(&u, ub + v * kVecLanes, sizeof u);
+      acc[v] += u * u;
+      nonfinite[v] += u - u;
+    }
+  }
+  float block = 0.f;
+  for (int k = 0; k < kLanes; ++k) {
+    block += acc[k / kVecLanes][k % kVecLanes];
+    bad += nonfinite[k / kVecLanes][k % kVecLanes];
+  }
+  return block;
+}
+
+template <typename G, bool FIRST>
+SumSq accumulate_sumsq_t(float* __restrict dst, const G* __restrict src, int64_t n) {
+  double total = 0.0;
+  float bad = 0.f;
+  int64_t i = 0;
+  for (; i + kSumBlock <= n; i += kSumBlock) {
+    if constexpr (Converted<G>::value) {
+      float buf[kSumBlock];
+      widen(buf, src + i, kSumBlock);
+      total += fold_sumsq_block<float, FIRST>(dst + i, buf, bad);
+    } else {
+      total += fold_sumsq_block<G, FIRST>(dst + i, src + i, bad);
+    }
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) {
+    const float u = FIRST ? to_float(src[i]) : dst[i] + to_float(src[i]);
+    dst[i] = u;
+    tail += u * u;
+    bad += u - u;
+  }
+  return SumSq{total + tail, bad != 0.f};
+}
+
+template <typename G>
+SumSq accumulate_sumsq_g(float* dst, const G* src, int64_t n, bool first) {
+  return first ? accumulate_sumsq_t<G, true>(dst, src, n) : accumulate_sumsq_t<G, false>(dst, src, n);
+}
+
+SumSq accumulate_sumsq(float* dst, const void* src, int32_t src_dtype, int64_t n, bool first) {
+  switch (src_dtype) {
+    case kF32: return accumulate_sumsq_g(dst, static_cast<const float*>(src), n, first);
+    case kF16: return accumulate_sumsq_g(dst, static_cast<const Half*>(src), n, first);
+    default: return accumulate_sumsq_g(dst, static_cast<const BFloat16*>(src), n, first);
+  }
+}
+
 // The update of n elements; P and G are the types as the loop reads them (float for a block that
 // was widened, see [note: fp16 by blocks]); with WRITE_GRAD, g_out[i] gets the unscaled gradient.
 template <typename P, typename G, bool MASTER, bool AMSGRAD, bool WRITE_GRAD>
