@@ -194,7 +194,7 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     and the stochastic-rounding seed (``_contract.Backend.adamw_update_``). ``records``: per tensor, the
     birth record its CPU accumulation left (``_main_grad`` [note: stats at birth]) or None; a backend
     that takes them (``RECORDS``) uses the recorded sums of squares of the unchanged gradients instead
-    of reading them, with the same bits. Only without a loss scale: the records hold unscaled squares.
+    of reading them, with the same bits. Only without a scaler (neither ``grad_scale`` nor ``found_inf``).
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -207,7 +207,9 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
     unscale_into_grads = None if keep_scaled_grads else grad_scale
     lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids)
-    if records is not None and (grad_scale is not None or not getattr(backend, "RECORDS", False)):
+    # [note: stats at birth] no records with a scaler: they hold unscaled squares, and unscale_
+    # (torch._amp_foreach_non_finite_check_and_unscale_) edits the grads without bumping their versions
+    if records is not None and (grad_scale is not None or found_inf is not None or not getattr(backend, "RECORDS", False)):
         records = None
     if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
         wide = fallback_indices(backend, params, exp_avgs, masters, moment_scales, rounding_seed is not None)

@@ -144,8 +144,11 @@ def main() -> None:
                 check(init, batches[:n], clip)
                 times = time_steps(init, batches[:n], clip, args.rounds)
                 (off, off20, off80), (on, on20, on80) = (quantiles(times[k]) for k in ("records off", "records on"))
+                # paired by round (the two arms ran back to back): robust to the load drifting between rounds
+                saved = quantiles([a - b for a, b in zip(times["records off"], times["records on"])])
                 print(f"{threads} thread(s) {row:16s} step+backward ms: records off {off:6.2f} [{off20:.2f}-{off80:.2f}]  "
-                      f"on {on:6.2f} [{on20:.2f}-{on80:.2f}]  off/on {off / on:.3f}  (load {os.getloadavg()[0]:.1f})")
+                      f"on {on:6.2f} [{on20:.2f}-{on80:.2f}]  off/on {off / on:.3f}  saved per step "
+                      f"{saved[0]:+.2f} [{saved[1]:+.2f}..{saved[2]:+.2f}]  (load {os.getloadavg()[0]:.1f})")
         parts = time_parts(sizes, args.rounds)
         print(f"{threads} thread(s) parts, ms per {sum(sizes)} elements: " + "; ".join(
             f"{name} {quantiles(v)[0]:.2f} [{quantiles(v)[1]:.2f}-{quantiles(v)[2]:.2f}]" for name, v in parts.items()))
