@@ -129,8 +129,6 @@ class CompiledBackend:
         self.module = module
         self.cpu_isa = getattr(module, "CPU_ISA", "?")
         self._empties: dict[torch.device, Tensor] = {}
-        # takes the CPU accumulation's birth records in grad_stats_ (_main_grad [note: stats at birth])
-        self.RECORDS = name == "cpu" and hasattr(torch.ops.ampfused, "_grad_stats_recorded")
 
     def __repr__(self) -> str:
         return f"<ampfused compiled backend {self.NAME!r} (ampfused._C, CPU ISA {self.cpu_isa})>"
@@ -147,15 +145,7 @@ class CompiledBackend:
         torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad, main_grad))
 
     def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
-                    max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True,
-                    records: Sequence[Tensor | None] | None = None) -> None:
-        if records is not None and grad_scale is None and self.RECORDS:  # an empty tensor stands for None
-            none = self._empty(stats.device)
-            torch.ops.ampfused._grad_stats_recorded([_as_kernel_input(g) for g in grads],
-                                                    [none if r is None else r for r in records], found_inf,
-                                                    None if max_grad_norm is None else float(max_grad_norm), stats,
-                                                    check_nonfinite)
-            return
+                    max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
         torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], grad_scale, found_inf,
                                       None if max_grad_norm is None else float(max_grad_norm), stats,
                                       self._scratch_buffer(scratch, stats.device), check_nonfinite)

@@ -20,21 +20,9 @@ fused cast-and-add, so CPU params also get a C++ pre-hook on their AccumulateGra
 (``csrc/accumulate_hook.cpp``) that does micro-batches 2..N with ``ampfused::accumulate``: no
 Python per param either, and the same fp32 sum. We hold the node, or the next forward would build
 a new one without the hook.
-
-[note: stats at birth] The CPU accumulation (the first micro-batch's copy here, the later adds in the
-C++ hook) can also leave, per param, what the stats pass would compute from the fp32 gradient it
-wrote -- its partial sums of squares, range by range, and its non-finite flag -- in an int64
-*record* (``csrc/cpu/cpu_kernels.h`` [note: birth record]), stamped with ``main_grad._version``
-after the write. A step then takes the recorded partials instead of reading that gradient again,
-while nothing touched it since: ``clip_grad_norm_``, ``unscale_``, ``zero_grad(set_to_none=False)``
-and any in-place edit bump the version. For that, each ``main_grad`` is an alias of the flat storage
-with a version counter of its own (a view would share the buffer's, and every param's add would
-stale every other record). Edits that bump no version (a collective's, or through ``.data``) are not
-seen: multi-process runs never use the records.
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 
@@ -44,7 +32,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _compiled, _dtensor
 from ._args import LOW_PRECISION, check_grad
-from ._contract import KERNEL_DTYPES
 from ._state import FlatBuffer, uses_master
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
@@ -89,9 +76,6 @@ class MainGrads:
         self.reducer = None  # what all-reduces the flat storage in a multi-process run (ampfused.distributed)
         self.warned = False
         self.ddp_reduced: set[int] = set()  # ids of params a plain DDP reduces in their own dtype (see fall_back_to_ddp)
-        # [note: stats at birth] read once per optimizer (the switch exists for measuring it)
-        self.stats_at_birth = os.environ.get(STATS_AT_BIRTH_ENV, "1") != "0"
-        self.records: dict = {}  # param -> its birth record (CPU hooks with stats at birth only)
         # the hooks and main_grad leave the params with the optimizer (the callback must not hold it)
         weakref.finalize(owner, _release, self.hooks, self.cpu_accumulators, self.owner_ref)
 
@@ -130,12 +114,6 @@ class MainGrads:
         self.flat = FlatBuffer(params, device) if params else None
         self.params = params
         cpu_hook = device is not None and device.type == "cpu" and hasattr(torch.ops.ampfused, "_hook_accumulation")
-        recording = cpu_hook and self.stats_at_birth and hasattr(torch.ops.ampfused, "_accumulate_and_record")
-        self.records = {}
-        if recording:  # [note: stats at birth] aliases with their own version counters, and their records
-            self.flat.views = [_own_version(view) for view in self.flat.views]
-            self.records = {p: torch.full((RECORD_HEAD + -(-p.numel() // RECORD_RANGE),), -1, dtype=torch.int64)
-                            for p in params}
         for p, view in zip(params, self.flat.views if params else ()):
             if not self.owns(p):
                 before = p.dtype if p in OWNERS else p.grad_dtype
@@ -161,19 +139,8 @@ class MainGrads:
             node = torch.autograd.graph.get_gradient_edge(p).node  # held first: the op hooks the live node
         else:
             return  # frozen and never hooked: it is laid out (and hooked) again when it is unfrozen
-        torch.ops.ampfused._hook_accumulation(p, view, self.records.get(p))
+        torch.ops.ampfused._hook_accumulation(p, view)
         self.cpu_accumulators[p] = (node, view)
-
-    def records_for(self, params: list[Tensor]) -> list | None:
-        """The birth records of ``params`` (None where a param has none), or None when none has one."""
-        if not self.records:
-            return None
-        return [self.records.get(p) for p in params]
-
-    def may_use_records(self) -> bool:
-        """Whether a step may take the records: not in a multi-process run, where a collective writes
-        ``p.grad`` without bumping its version ([note: stats at birth])."""
-        return self.reducer is None and not _multi_process()
 
     def watch(self, frozen: list[Tensor]) -> None:
         """Hook frozen params too, without storage: one unfrozen later (``requires_grad_(True)``) is laid
@@ -233,27 +200,13 @@ class MainGrads:
             self.setup(self.params, self.flat.data.device)
 
 
-def adopt(p: Tensor, record: Tensor | None = None) -> None:
-    """Write a fresh gradient of ``p`` into ``p.main_grad`` and make that ``p.grad`` (see the module note);
-    with a ``record``, also leave its stats there ([note: stats at birth])."""
+def adopt(p: Tensor) -> None:
+    """Write a fresh gradient of ``p`` into ``p.main_grad`` and make that ``p.grad`` (see the module note)."""
     grad = p.grad
     check_grad(p, grad)
     main = p.main_grad
-    if record is not None and grad.dtype in KERNEL_DTYPES and grad.is_contiguous() and main.is_contiguous() and grad.device == main.device:
-        torch.ops.ampfused._accumulate_and_record(main, grad, record, True)
-    else:
-        main.copy_(grad)
+    main.copy_(grad)
     p.grad = main
-
-
-STATS_AT_BIRTH_ENV = "AMPFUSED_STATS_AT_BIRTH"  # "0": no records (the stats pass reads every gradient)
-RECORD_HEAD, RECORD_RANGE = 3, 1 << 16  # csrc/cpu/cpu_kernels.h: kRecordPartials, kRange
-
-
-def _own_version(view: Tensor) -> Tensor:
-    """An alias of ``view``'s memory whose version counter is its own (a view shares its base's)."""
-    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
-        view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def _adopt_hook(grads: MainGrads):
@@ -276,7 +229,7 @@ def _adopt_hook(grads: MainGrads):
                 # grad and param break the layout contract on the next micro-batches. setup() adopts p.grad.
                 grads.relayout_if_strides_changed()
                 return
-            adopt(p, grads.records.get(p))
+            adopt(p)
         elif grad is not None and id(p) in grads.watched and p not in OWNERS and id(p) not in grads.ddp_reduced:  # frozen at layout, trainable now
             relayout = grads.relayout()
             if relayout is not None:

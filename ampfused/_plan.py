@@ -95,8 +95,6 @@ class StepPlan:
                 index[id(g)] = len(self.stepping_groups)
                 self.stepping_groups.append(g)
         self.group_ids = [index[id(g)] for _, _, g in work]
-        # the birth records of self.params (None where none; the optimizer sets them, _main_grad [note: stats at birth])
-        self.records: list | None = None
 
     def still_valid(self, param_groups, state) -> bool:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""

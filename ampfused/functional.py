@@ -179,7 +179,7 @@ def _plain_stats(device: torch.device) -> Tensor:
 def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, *,
              max_grad_norm, grad_scale, found_inf, skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None,
              scratch: Scratch | None = None, wide: list[int] | None = None, moment_scales: list | None = None,
-             rounding_seed: int | None = None, records: list | None = None) -> tuple[Tensor | None, Tensor]:
+             rounding_seed: int | None = None) -> tuple[Tensor | None, Tensor]:
     """Stats pass (finish included), update pass over checked lists (``_contract.Backend`` says what
     each list holds; tensor ``i`` takes ``groups[group_ids[i]]``). No host synchronization; ``(grad_norm, skipped)``
     are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
@@ -191,10 +191,7 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
     ``wide``: the indices of the tensors the reference passes serve (computed when None, see
     :func:`fallback_indices`). ``moment_scales`` / ``rounding_seed``: the compact state's int8 scales
-    and the stochastic-rounding seed (``_contract.Backend.adamw_update_``). ``records``: per tensor, the
-    birth record its CPU accumulation left (``_main_grad`` [note: stats at birth]) or None; a backend
-    that takes them (``RECORDS``) uses the recorded sums of squares of the unchanged gradients instead
-    of reading them, with the same bits. Only without a scaler (neither ``grad_scale`` nor ``found_inf``).
+    and the stochastic-rounding seed (``_contract.Backend.adamw_update_``).
     """
     device = params[0].device
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
@@ -207,18 +204,11 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
     unscale_into_grads = None if keep_scaled_grads else grad_scale
     lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids)
-    # [note: stats at birth] no records with a scaler: they hold unscaled squares, and unscale_
-    # (torch._amp_foreach_non_finite_check_and_unscale_) edits the grads without bumping their versions
-    if records is not None and (grad_scale is not None or found_inf is not None or not getattr(backend, "RECORDS", False)):
-        records = None
     if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
         wide = fallback_indices(backend, params, exp_avgs, masters, moment_scales, rounding_seed is not None)
     scales, wide_scales = moment_scales, moment_scales
     if wide:  # [note: wide params] [note: compact fallback] the kernels' share, and the rest for the reference passes
         lists, wide_lists = _split(lists, wide)
-        if records is not None:
-            wide_set = set(wide)
-            records = [r for i, r in enumerate(records) if i not in wide_set]
         if moment_scales is not None:
             wide_set = set(wide)
             scales = [x for i, x in enumerate(moment_scales) if i not in wide_set]
@@ -240,9 +230,8 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
     if lists[0]:
-        stats_kwargs = {} if records is None else {"records": records}  # (backends without RECORDS never see them)
         backend.grad_stats_(lists[1], grad_scale, found_inf, max_grad_norm, stats, scratch=scratch,
-                            check_nonfinite=check_nonfinite, **stats_kwargs)
+                            check_nonfinite=check_nonfinite)
     else:
         stats.zero_()
     if wide:

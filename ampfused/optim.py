@@ -229,7 +229,6 @@ class FusedAmpAdamW(Optimizer):
         work = grads_to_step(self.param_groups, self._param_dtypes, self._device)
         self._state_room.prepare(work)
         self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan())
-        self._plan.records = self._main_grads.records_for(self._plan.params)  # [note: stats at birth]
         return self._plan
 
     # [note: torch.compile] fused kernels behind lazy flat state and pointer tables, which dynamo cannot
@@ -269,8 +268,7 @@ class FusedAmpAdamW(Optimizer):
             backend, *lists[:5], plan.steps, lists[5], plan.group_ids, plan.hypers(),
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
             skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
-            scratch=plan.scratch, wide=fallback, moment_scales=plan.moment_scales, rounding_seed=seed,
-            records=plan.records if plan.records is not None and self._main_grads.may_use_records() else None)
+            scratch=plan.scratch, wide=fallback, moment_scales=plan.moment_scales, rounding_seed=seed)
         plan.release_grads()  # [note: grads held weakly] in _plan.py
         return loss
 

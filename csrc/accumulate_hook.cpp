@@ -8,11 +8,6 @@
 // C++, so micro-batches run no Python per param; anything unusual -- p.grad is not our view,
 // create_graph, a gradient a user hook changed into another shape, layout or device -- is left to
 // AccumulateGrad unchanged.
-//
-// With a record ([note: birth record] in cpu/cpu_kernels.h; the optimizer's stats-at-birth switch,
-// ampfused/_main_grad.py) the add also leaves the per-range sums of squares of the new fp32 sums,
-// which the stats pass of the next step takes instead of reading that gradient again.
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -21,12 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <mutex>
-#include <vector>
-
-#include "cpu/cpu_kernels.h"
-#include "ops_common.h"
 
 namespace ampfused {
 namespace {
@@ -34,40 +24,8 @@ namespace {
 using torch::autograd::AccumulateGrad;
 using torch::autograd::variable_list;
 
-// main_grad = grad (first) or main_grad + grad, leaving in `record` what the stats pass would compute
-// from the result (see the note above): the same kRange ranges, each summed by the same blocks.
-void accumulate_and_record(const at::Tensor& main_grad, const at::Tensor& grad, const at::Tensor& record, bool first) {
-  check_accumulate(main_grad, grad);
-  TORCH_CHECK(main_grad.device().is_cpu(), "ampfused::_accumulate_and_record is CPU only, got ", main_grad.device());
-  TORCH_CHECK(record.scalar_type() == at::kLong && record.device().is_cpu() && record.is_contiguous() &&
-                  record.numel() == cpu::record_size(main_grad.numel()),
-              "ampfused: a birth record must be a contiguous int64 CPU tensor of ", cpu::record_size(main_grad.numel()),
-              " elements");
-  const int32_t dtype = dtype_code(grad, "grad");
-  float* dst = main_grad.data_ptr<float>();
-  const char* src = static_cast<const char*>(grad.data_ptr());
-  int64_t* slots = record.data_ptr<int64_t>();
-  const int64_t n = main_grad.numel(), ranges = (n + cpu::kRange - 1) / cpu::kRange;
-  std::vector<char> bad(static_cast<size_t>(ranges), 0);
-  const cpu::IsaKernels& k = cpu::kernels();
-  at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r * cpu::kRange;
-      const cpu::SumSq s = k.accumulate_sumsq(dst + b, src + b * element_size(dtype), dtype,
-                                              std::min(cpu::kRange, n - b), first);
-      std::memcpy(slots + cpu::kRecordPartials + r, &s.sumsq, sizeof(double));
-      bad[r] = s.bad;
-    }
-  });
-  slots[cpu::kRecordBad] = std::any_of(bad.begin(), bad.end(), [](char b) { return b != 0; });
-  torch::autograd::impl::bump_version(main_grad);  // as an in-place copy or add would
-  slots[cpu::kRecordTensor] = reinterpret_cast<int64_t>(main_grad.unsafeGetTensorImpl());
-  slots[cpu::kRecordVersion] = static_cast<int64_t>(main_grad._version());
-}
-
 struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
-  AccumulateIntoMainGrad(AccumulateGrad* node, at::Tensor main_grad, at::Tensor record)
-      : node(node), main_grad(std::move(main_grad)), record(std::move(record)) {}
+  AccumulateIntoMainGrad(AccumulateGrad* node, at::Tensor main_grad) : node(node), main_grad(std::move(main_grad)) {}
 
   variable_list operator()(const variable_list& grads) override {
     const at::Tensor& g = grads[0];
@@ -79,11 +37,8 @@ struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
     // pre-hooks run outside AccumulateGrad's lock; concurrent backwards on shared params must not race
     std::lock_guard<std::mutex> lock(mutex);
     if (!takes(g)) return grads;
-    if (record.defined()) {
-      accumulate_and_record(main_grad, g, record, /*first=*/false);
-    } else {
-      accumulate.call(main_grad, g);  // (bumps main_grad's version, as the in-place add would)
-    }
+    accumulate.call(main_grad, g);
+    torch::autograd::impl::bump_version(main_grad);  // as the in-place add would
     return {at::Tensor()};
   }
 
@@ -100,7 +55,6 @@ struct AccumulateIntoMainGrad : torch::autograd::FunctionPreHook {
 
   AccumulateGrad* node;  // owns this hook, so it outlives it
   at::Tensor main_grad;
-  at::Tensor record;  // undefined: no stats at birth
   std::mutex mutex;
 };
 
@@ -118,15 +72,11 @@ AccumulateGrad* accumulator_of(const at::Tensor& param) {
 
 // The caller keeps the node alive (ampfused/_main_grad.py holds it), or the next forward would
 // build a new AccumulateGrad without the hook.
-// `record`: where the adds leave their stats ([note: birth record]), or None.
-void hook_accumulation(const at::Tensor& param, const at::Tensor& main_grad, const std::optional<at::Tensor>& record) {
+void hook_accumulation(const at::Tensor& param, const at::Tensor& main_grad) {
   TORCH_CHECK(main_grad.scalar_type() == at::kFloat && main_grad.sizes() == param.sizes(),
               "ampfused: main_grad must be a float32 tensor of the param's shape");
-  TORCH_CHECK(!record.has_value() || (record->scalar_type() == at::kLong && record->device().is_cpu() &&
-                                      record->numel() == cpu::record_size(main_grad.numel())),
-              "ampfused: a birth record must be an int64 CPU tensor of ", cpu::record_size(main_grad.numel()), " elements");
   AccumulateGrad* acc = accumulator_of(param);
-  acc->add_pre_hook(std::make_unique<AccumulateIntoMainGrad>(acc, main_grad, record.value_or(at::Tensor())));
+  acc->add_pre_hook(std::make_unique<AccumulateIntoMainGrad>(acc, main_grad));
 }
 
 void unhook_accumulation(const at::Tensor& param, const at::Tensor& main_grad) {
@@ -144,12 +94,8 @@ void unhook_accumulation(const at::Tensor& param, const at::Tensor& main_grad) {
 }  // namespace
 }  // namespace ampfused
 
-// The hook ops write no tensor, so they take their (catch-all) kernels with their definitions;
-// _accumulate_and_record too (eager only, from the hooks): it bumps main_grad's version itself and
-// records the bumped version, which an autograd-level bump after it would make stale.
+// No tensor is written here, so the ops take their (catch-all) kernels with their definitions.
 TORCH_LIBRARY_FRAGMENT(ampfused, m) {
-  m.def("_hook_accumulation(Tensor param, Tensor main_grad, Tensor? record=None) -> ()", &ampfused::hook_accumulation);
-  m.def("_accumulate_and_record(Tensor(a!) main_grad, Tensor grad, Tensor(b!) record, bool first) -> ()",
-        &ampfused::accumulate_and_record);
+  m.def("_hook_accumulation(Tensor param, Tensor main_grad) -> ()", &ampfused::hook_accumulation);
   m.def("_unhook_accumulation(Tensor param, Tensor main_grad) -> ()", &ampfused::unhook_accumulation);
 }

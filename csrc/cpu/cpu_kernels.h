@@ -28,18 +28,6 @@ struct UpdateRange : UpdateTensor {
   uint32_t rounding_keys[4];  // stochastic rounding (compact_random.h): the keys of this range's elements
 };
 
-// Elements per work item of the CPU passes: big enough to amortize, small enough to balance. The stats
-// pass sums each range of a tensor into its own slot ([note: deterministic stats] in ops_cpu.cpp).
-constexpr int64_t kRange = 1 << 16;
-
-// [note: birth record] What the accumulation of a param's last micro-batch leaves for the stats pass
-// (accumulate_hook.cpp writes it, grad_stats reads it): an int64 CPU tensor of record_size(numel)
-// slots -- the main_grad's version right after the write (-1: none, or already used by a step),
-// the address of its TensorImpl, the non-finite flag, and one partial sum per kRange range (the
-// double's bits). The stats pass takes the partials only while the version and the tensor match.
-constexpr int64_t kRecordVersion = 0, kRecordTensor = 1, kRecordBad = 2, kRecordPartials = 3;
-inline int64_t record_size(int64_t numel) { return kRecordPartials + (numel + kRange - 1) / kRange; }
-
 struct SumSq {
   double sumsq;  // in double: a range's float blocks summed
   bool bad;      // an element was inf/NaN
@@ -55,9 +43,6 @@ struct IsaKernels {
   void (*update)(const UpdateRange& range);
   // the update of a range of a tensor with compact state (contract.h's is_compact; compact_update.h)
   void (*compact_update)(const UpdateRange& range);
-  // accumulate (first: dst[i] = float(src[i])) of one kRange range, returning sumsq(dst, n, 1) of the
-  // result bit for bit (kernels_impl.h [note: stats at birth])
-  SumSq (*accumulate_sumsq)(float* dst, const void* src, int32_t src_dtype, int64_t n, bool first);
 };
 
 // nullptr where the variant was not compiled in (non-x86 or non-GCC-compatible compiler)

@@ -10,8 +10,7 @@
 namespace ampfused {
 namespace cpu {
 const IsaKernels* kernels_base() {
-  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update, isa_base::compact_update,
-                            isa_base::accumulate_sumsq};
+  static const IsaKernels k{"default", isa_base::accumulate, isa_base::sumsq, isa_base::update, isa_base::compact_update};
   return &k;
 }
 }  // namespace cpu

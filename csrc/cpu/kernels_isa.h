@@ -43,7 +43,7 @@ namespace ampfused {
 namespace cpu {
 const IsaKernels* AMPFUSED_ISA_GETTER() {
   static const IsaKernels k{AMPFUSED_ISA_NAME, AMPFUSED_ISA::accumulate, AMPFUSED_ISA::sumsq, AMPFUSED_ISA::update,
-                                AMPFUSED_ISA::compact_update, AMPFUSED_ISA::accumulate_sumsq};
+                                AMPFUSED_ISA::compact_update};
   return &k;
 }
 }  // namespace cpu

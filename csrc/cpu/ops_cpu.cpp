@@ -6,7 +6,6 @@
 // number of threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,6 +23,8 @@ namespace ampfused {
 namespace cpu {
 
 namespace {
+
+constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
 
 // [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
 // (default|avx2|avx512) as ATen's own kernels are. AMPFUSED_CPU_ISA=base|avx2|avx512 overrides the
@@ -74,67 +75,6 @@ void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
   at::parallel_for(0, main_grad.numel(), kRange, [&](int64_t begin, int64_t end) {
     k.accumulate(dst + begin, src + begin * element_size(dtype), dtype, end - begin);
   });
-  // as torch's in-place ops do (the dispatcher does not for this op): a birth record of main_grad
-  // ([note: birth record] in cpu_kernels.h) must see this write
-  torch::autograd::impl::bump_version(main_grad);
-}
-
-// The stats pass over `grads`; records[i], where defined and still valid ([note: birth record]),
-// stands for grads[i]: its ranges' partials are taken instead of read (only with inv 1: the records
-// hold squares of unscaled values). A used record is marked so: it serves one step.
-void stats_pass(at::TensorList grads, at::TensorList records, float inv, const std::optional<at::Tensor>& found_inf,
-                std::optional<double> max_grad_norm, const at::Tensor& stats, bool check_nonfinite) {
-  struct Range {
-    const char* data;
-    int32_t dtype;
-    int64_t n;
-    const int64_t* known;  // the recorded partial (a double's bits), or nullptr: read the range
-    bool known_bad;
-  };
-  std::vector<Range> ranges;
-  std::vector<int64_t*> used;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    const int32_t dtype = dtype_code(g, "grads");
-    const char* base = static_cast<const char*>(g.data_ptr());
-    int64_t* slots = nullptr;
-    if (i < records.size() && records[i].defined() && records[i].numel() == record_size(g.numel()) &&
-        g.scalar_type() == at::kFloat) {
-      int64_t* r = records[i].data_ptr<int64_t>();
-      if (r[kRecordVersion] >= 0 && r[kRecordVersion] == static_cast<int64_t>(g._version()) &&
-          r[kRecordTensor] == reinterpret_cast<int64_t>(g.unsafeGetTensorImpl())) {
-        slots = r;
-        used.push_back(r);
-      }
-    }
-    for (int64_t b = 0; b < g.numel(); b += kRange) {
-      ranges.push_back(Range{base + b * element_size(dtype), dtype, std::min(kRange, g.numel() - b),
-                             slots != nullptr ? slots + kRecordPartials + b / kRange : nullptr,
-                             slots != nullptr && b == 0 && slots[kRecordBad] != 0});
-    }
-  }
-  std::vector<SumSq> partial(ranges.size(), SumSq{0.0, false});
-  const IsaKernels& k = kernels();
-  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (ranges[r].known != nullptr) {
-        std::memcpy(&partial[r].sumsq, ranges[r].known, sizeof(double));
-        partial[r].bad = ranges[r].known_bad;
-      } else {
-        partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
-      }
-    }
-  });
-  double total = 0.0;
-  bool bad = false;
-  for (const SumSq& x : partial) {
-    total += x.sumsq;
-    bad = bad || x.bad;
-  }
-  for (int64_t* r : used) r[kRecordVersion] = -1;
-  finish_stats(static_cast<float>(total), bad, found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr, inv,
-               max_grad_norm.has_value(), static_cast<float>(max_grad_norm.value_or(0.0)), stats.data_ptr<float>(),
-               check_nonfinite);
 }
 
 void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
@@ -144,21 +84,33 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
   check_stats(grads, grad_scale, found_inf, stats);
   TORCH_CHECK(stats.device().is_cpu(), "ampfused::grad_stats (CPU) got stats on ", stats.device());
   const float inv = inv_scale_of(grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
-  stats_pass(grads, {}, inv, found_inf, max_grad_norm, stats, check_nonfinite);
-}
-
-// grad_stats without a loss scale, where records[i] (an int64 record, or an empty tensor) may stand for grads[i]
-void grad_stats_recorded_cpu(at::TensorList grads, at::TensorList records, const std::optional<at::Tensor>& found_inf,
-                             std::optional<double> max_grad_norm, const at::Tensor& stats, bool check_nonfinite) {
-  check_stats(grads, std::nullopt, found_inf, stats);
-  TORCH_CHECK(stats.device().is_cpu(), "ampfused::_grad_stats_recorded (CPU) got stats on ", stats.device());
-  TORCH_CHECK(records.size() == grads.size(), "ampfused::_grad_stats_recorded: ", grads.size(), " grads but ",
-              records.size(), " records");
-  for (const at::Tensor& r : records) {
-    TORCH_CHECK(r.numel() == 0 || (r.scalar_type() == at::kLong && r.device().is_cpu() && r.is_contiguous()),
-                "ampfused: a birth record must be a contiguous int64 CPU tensor");
+  struct Range {
+    const char* data;
+    int32_t dtype;
+    int64_t n;
+  };
+  std::vector<Range> ranges;
+  for (const at::Tensor& g : grads) {
+    const int32_t dtype = dtype_code(g, "grads");
+    const char* base = static_cast<const char*>(g.data_ptr());
+    for (int64_t b = 0; b < g.numel(); b += kRange) {
+      ranges.push_back(Range{base + b * element_size(dtype), dtype, std::min(kRange, g.numel() - b)});
+    }
   }
-  stats_pass(grads, records, 1.0f, found_inf, max_grad_norm, stats, check_nonfinite);
+  std::vector<SumSq> partial(ranges.size(), SumSq{0.0, false});
+  const IsaKernels& k = kernels();
+  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
+  });
+  double total = 0.0;
+  bool bad = false;
+  for (const SumSq& x : partial) {
+    total += x.sumsq;
+    bad = bad || x.bad;
+  }
+  finish_stats(static_cast<float>(total), bad, found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr, inv,
+               max_grad_norm.has_value(), static_cast<float>(max_grad_norm.value_or(0.0)), stats.data_ptr<float>(),
+               check_nonfinite);
 }
 
 void adamw_update_cpu(const UpdateCall& call) {
@@ -225,12 +177,4 @@ TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu>);
   m.impl("scaler_update", &ampfused::cpu::scaler_update_cpu);
 }
-
-// [note: birth record] (cpu/cpu_kernels.h): the stats pass of a step whose gradients may carry the
-// stats their accumulation left; CPU only, called by the compiled backend when records are given.
-TORCH_LIBRARY_FRAGMENT(ampfused, m) {
-  m.def("_grad_stats_recorded(Tensor[] grads, Tensor(b!)[] records, Tensor? found_inf, float? max_grad_norm, "
-        "Tensor(a!) stats, bool check_nonfinite=True) -> ()");
-}
-TORCH_LIBRARY_IMPL(ampfused, CPU, m) { m.impl("_grad_stats_recorded", &ampfused::cpu::grad_stats_recorded_cpu); }
 
