@@ -19,6 +19,9 @@ shapes, x1 and x4 micro-batches, with and without clipping), at 1 and 2 threads:
 
 Before any timing, both arms take three steps and their params, masters and moments must be equal
 bit for bit, and the records must have been used (a record is marked used by the step that takes it).
+
+The records did not win and are not in the package (``docs/results/stats-at-birth.md``): this script
+runs on the experiment's commit, ``git checkout 1b3e6cd`` and a rebuild; elsewhere it says so and exits.
 """
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ import torch
 
 import ampfused
 from ampfused import _compiled
-from ampfused._main_grad import STATS_AT_BIRTH_ENV
 from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, shape_set
+
+
+STATS_AT_BIRTH_ENV = "AMPFUSED_STATS_AT_BIRTH"  # the experiment's switch ("0": records off)
+EXPERIMENT = "1b3e6cd"
 
 
 class Arm:
@@ -130,6 +136,9 @@ def main() -> None:
     module, why = _compiled.load()
     if module is None:
         raise SystemExit(f"the compiled cpu backend is needed here: {why}")
+    if not hasattr(torch.ops.ampfused, "_accumulate_and_record"):
+        raise SystemExit(f"the birth records are not in this build: they live on commit {EXPERIMENT} "
+                         "(git checkout it, pip install --no-build-isolation -e ., run this again)")
     sizes = list(shape_set("gpt2-like", args.total).sizes)
     gen = torch.Generator().manual_seed(0)
     init = [(torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16) for n in sizes]
