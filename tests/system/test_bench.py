@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ampfused import _compiled
-from ampfused.bench import configs, measure, report, summary
+from ampfused.bench import configs, measure, report, summary, train_modes
 
 HAVE_COMPILED = _compiled.load()[0] is not None
 
@@ -111,6 +111,17 @@ def test_bench_train_tiny_run_passes_parity(tmp_path):
     assert "parity: PASS" in proc.stdout
     for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
+    rows = {r["variant"]: r for r in read_rows(out / "train.csv")}
+    modes = {r["mode"]: r for r in rows.values() if r["mode"]}
+    assert set(modes) == set(train_modes.MODES)  # one variant per memory mode, each gated against fp32
+    assert all(r["parity"] == "PASS" and abs(float(r["rel_diff_vs_fp32"])) <= 0.01 for r in modes.values())
+    kept = {m: float(r["kept_bytes_per_param"]) for m, r in modes.items()}
+    fp32_masters = float(rows["ampfused-bf16-params"]["kept_bytes_per_param"])
+    assert 18 <= fp32_masters < 18.1 and 16 <= kept["split16"] < 16.1 and 15 <= kept["split8"] < 15.1
+    assert kept["split8+int8"] < kept["split8"] and 0 < float(modes["split8+int8"]["int8_fraction"]) < 1  # small tensors: fp32
+    assert modes["split16"]["identity"].startswith("identical to an fp32-master twin at all 40 steps")
+    assert int(modes["split16"]["ties"]) >= 0 and modes["split8"]["identity"] == ""
+    assert "ampfused-bf16-params@split16: identical" in (out / "train.md").read_text()
 
 
 # ---------------------------------------------------------------- timing: interleaving and `unstable`
