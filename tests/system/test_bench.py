@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ampfused
 from ampfused import _compiled
 from ampfused.bench import configs, measure, report, summary, train_modes
 
@@ -292,3 +293,28 @@ def test_grad_stats_placement_benchmark_runs_and_agrees(capsys):
     grad_stats_placement.main(total=20_000, rounds=2)
     out = capsys.readouterr().out
     assert out.count("as the pass in step()") == 2
+
+
+def test_split16_twin_counts_ties_and_catches_a_master_off_by_more_than_the_tie_rule():
+    """bench train's identity check of split16 (train_modes [note: split16 lockstep twin]) on its own."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5000).mul_(0.02).bfloat16())]
+    twin = train_modes.Split16Twin(params, lr=3e-3, backend="reference")
+    opt = ampfused.FusedAmpAdamW(params, lr=3e-3, backend="reference", master_weights="split16")
+    for step in range(30):
+        params[0].main_grad.copy_(torch.randn(5000).mul_(1e-3))
+        params[0].grad = params[0].main_grad
+        twin.step(params)
+        opt.step()
+        opt.zero_grad()
+        twin.check(params, opt, step)
+    assert twin.verdict().startswith("identical to an fp32-master twin at all 30 steps"), twin.verdict()
+    ties = twin.ties  # a tie is 2^-16 of the elements per step: a few in 150K element-steps
+    assert ties > 0 and f"but at {ties} ties" in twin.verdict()
+    opt.state[params[0]]["master_low16"][7] += 2  # two fp32 ulps off, at an element that is no tie
+    params[0].main_grad.zero_()
+    params[0].grad = params[0].main_grad
+    twin.step(params)
+    opt.step()
+    twin.check(params, opt, 30)
+    assert twin.verdict().startswith("NOT identical to fp32 masters: step 30, param 0: master differs")
