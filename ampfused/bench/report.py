@@ -80,8 +80,8 @@ def _timing(r) -> str:
 
 
 def _gate(r) -> str:
-    if r["status"] == "ok":
-        return f"ok ({r['detail']})" if r["detail"] else "ok"  # e.g. the host sweep's stubbed Triton kernels
+    if r["status"] in ("ok", "untimed"):  # (detail: e.g. the host sweep's stubbed Triton kernels, an untimed oracle)
+        return f"ok ({r['detail']})" if r["detail"] else "ok"
     return f"**{r['status']}**: {r['detail'][:120]}"
 
 
@@ -148,6 +148,9 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"{100 * budget.max_spread:.0f}% of the median",
     ]
     head += [f"- not measured: {name} ({why})" for name, why in skipped.items()]
+    untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
+    if untimed:
+        head.append(f"- gated but not timed: {', '.join(untimed)} (the oracle and fallback; `--backends` naming it times it)")
     head += [
         "- timed: one optimizer step's tail (micro-batch gradient folding, unscale, clip, AdamW, scaler update, "
         "low-precision write-back); see ampfused/bench/providers.py",

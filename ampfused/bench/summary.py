@@ -20,30 +20,34 @@ import sys
 
 def _main_backend(rows) -> str | None:
     """The ampfused provider the headline speedups are for: the first measured one that is not the reference."""
-    names = [r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]]
+    names = [r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]
+             and r["status"] != "untimed"]
     names = list(dict.fromkeys(names))
     return next((n for n in names if n != "ampfused-reference"), names[0] if names else None)
 
 
 def _cell(row, key="median_ms", spec=".2f") -> str:
     if row is None or row["status"] != "ok":
-        return "FAILED" if row is not None else "–"
+        return "FAILED" if row is not None and row["status"] == "FAILED" else "–"
     return format(row[key], spec) + (" †" if row["unstable"] else "")
 
 
 def bench_summary(rows: list[dict], env: dict) -> str:
     main = _main_backend(rows)
-    ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]))
+    ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]
+                                  and r["status"] != "untimed"))  # (an oracle gated but not timed has no column)
     by_case: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["provider"]] = r
     timed = [r for r in rows if r["status"] == "ok"]
     unstable = sum(1 for r in timed if r["unstable"])
+    untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
     lines = [
         f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}, triton {env['triton']}, "
         f"ampfused {env['ampfused']}; `{env.get('command', 'python -m ampfused bench')}` "
         f"({env.get('wall_s', '?')} s wall; other processes kept {env.get('other_cores', '?')} cores busy on average). "
-        f"{unstable} of {len(timed)} timings unstable (marked †). ms per step, median.",
+        f"{unstable} of {len(timed)} timings unstable (marked †). ms per step, median." +
+        (f" Gated on every case but not timed (the oracle): {', '.join(untimed)}." if untimed else ""),
         "",
     ]
     device_cases = [c for c, p in by_case.items() if next(iter(p.values()))["timer"] != "host"]

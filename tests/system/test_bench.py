@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import ampfused
 from ampfused import _compiled
-from ampfused.bench import configs, measure, report, summary
+from ampfused.bench import configs, measure, report, summary, train_modes
 
 HAVE_COMPILED = _compiled.load()[0] is not None
 
@@ -51,6 +52,10 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     providers = {r["provider"] for r in rows}
     assert {"torch-foreach", "torch-fused"} <= providers
     assert any(p.startswith("ampfused-") for p in providers)
+    # the reference backend is the oracle beside a compiled one: gated on every case, not timed
+    oracle = [r for r in rows if r["provider"] == "ampfused-reference"]
+    assert oracle and all(r["status"] == "untimed" and r["median_ms"] == "" and "gate passed" in r["detail"] for r in oracle)
+    rows = [r for r in rows if r["provider"] != "ampfused-reference"]
     assert all(r["status"] == "ok" for r in rows)
     device_rows = [r for r in rows if r["timer"] == "device"]
     host_rows = [r for r in rows if r["timer"] == "host"]
@@ -65,7 +70,7 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
         assert {r["provider"] for r in host_rows} >= {"torch-fused", "ampfused-cpu"}
         assert (r["host_ratio_vs_torch_fused"] != "") == r["provider"].startswith("ampfused-")
     assert {r["clip"] for r in host_rows} == {"True", "False"}
-    fp32 = {r["provider"]: float(r["bytes_per_param"]) for r in rows if r["config"] == "fp32-scaled-clip"}
+    fp32 = {r["provider"]: float(r["bytes_per_param"]) for r in rows + oracle if r["config"] == "fp32-scaled-clip"}
     assert fp32["torch-fused"] == 48 and fp32["ampfused-reference"] == 36  # docs/design.md §4: 32 + the unscaled p.grad write
     kept = [v for name, v in fp32.items() if name.endswith("+keep_scaled_grads")]
     assert kept and all(v == 32 for v in kept)  # the first backend's row without the p.grad write
@@ -111,6 +116,17 @@ def test_bench_train_tiny_run_passes_parity(tmp_path):
     assert "parity: PASS" in proc.stdout
     for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
+    rows = {r["variant"]: r for r in read_rows(out / "train.csv")}
+    modes = {r["mode"]: r for r in rows.values() if r["mode"]}
+    assert set(modes) == set(train_modes.MODES)  # one variant per memory mode, each gated against fp32
+    assert all(r["parity"] == "PASS" and abs(float(r["rel_diff_vs_fp32"])) <= 0.01 for r in modes.values())
+    kept = {m: float(r["kept_bytes_per_param"]) for m, r in modes.items()}
+    fp32_masters = float(rows["ampfused-bf16-params"]["kept_bytes_per_param"])
+    assert 18 <= fp32_masters < 18.1 and 16 <= kept["split16"] < 16.1 and 15 <= kept["split8"] < 15.1
+    assert kept["split8+int8"] < kept["split8"] and 0 < float(modes["split8+int8"]["int8_fraction"]) < 1  # small tensors: fp32
+    assert modes["split16"]["identity"].startswith("identical to an fp32-master twin at all 40 steps")
+    assert int(modes["split16"]["ties"]) >= 0 and modes["split8"]["identity"] == ""
+    assert "ampfused-bf16-params@split16: identical" in (out / "train.md").read_text()
 
 
 # ---------------------------------------------------------------- timing: interleaving and `unstable`
@@ -277,3 +293,28 @@ def test_grad_stats_placement_benchmark_runs_and_agrees(capsys):
     grad_stats_placement.main(total=20_000, rounds=2)
     out = capsys.readouterr().out
     assert out.count("as the pass in step()") == 2
+
+
+def test_split16_twin_counts_ties_and_catches_a_master_off_by_more_than_the_tie_rule():
+    """bench train's identity check of split16 (train_modes [note: split16 lockstep twin]) on its own."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5000).mul_(0.02).bfloat16())]
+    twin = train_modes.Split16Twin(params, lr=3e-3, backend="reference")
+    opt = ampfused.FusedAmpAdamW(params, lr=3e-3, backend="reference", master_weights="split16")
+    for step in range(30):
+        params[0].main_grad.copy_(torch.randn(5000).mul_(1e-3))
+        params[0].grad = params[0].main_grad
+        twin.step(params)
+        opt.step()
+        opt.zero_grad()
+        twin.check(params, opt, step)
+    assert twin.verdict().startswith("identical to an fp32-master twin at all 30 steps"), twin.verdict()
+    ties = twin.ties  # a tie is 2^-16 of the elements per step: a few in 150K element-steps
+    assert ties > 0 and f"but at {ties} ties" in twin.verdict()
+    opt.state[params[0]]["master_low16"][7] += 2  # two fp32 ulps off, at an element that is no tie
+    params[0].main_grad.zero_()
+    params[0].grad = params[0].main_grad
+    twin.step(params)
+    opt.step()
+    twin.check(params, opt, 30)
+    assert twin.verdict().startswith("NOT identical to fp32 masters: step 30, param 0: master differs")

@@ -34,6 +34,7 @@ def run_main(capsys, *argv):
     (["bench", "train", "--steps", "0"], "argument --steps: '0': must be at least 1"),
     (["bench", "train", "--backend", "nope"], "argument --backend: invalid choice: 'nope'"),
     (["bench", "train", "--tolerance", "abc"], "argument --tolerance: 'abc' is not a number"),
+    (["bench", "train", "--modes", "split4"], "argument --modes: unknown 'split4'; choose from none, split16, split8"),
 ])
 def test_bad_arguments_are_argparse_errors(capsys, argv, message):
     code, out, err = run_main(capsys, *argv)
