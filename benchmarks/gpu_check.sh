@@ -111,8 +111,8 @@ stage gpu_tests 75 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --dese
     --junitxml="$WORK/gpu_tests.xml"
 stage compact 35 "$ROOT" pytest tests/compact/test_cuda_compact.py -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
 stage bench 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
-# (the GPU plan's memory cases are its 124M and 1B shapes; `--sizes` is refused without the size sweep)
-stage memory 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --gate-steps 1 --out "$WORK/memory"
+# (the GPU plan's memory cases: its 124M gpt2-like shapes and the largest --sizes, 1B)
+stage memory 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --sizes 1B --gate-steps 1 --out "$WORK/memory"
 stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291,2000 --repeats 10 --out "$WORK/host.csv"
 echo "total: $((SECONDS - START))s, budget ${TOTAL}s of stage timeouts" | tee -a "$summary"
 pack

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sizes to run (default: quick with --quick, else gpu or cpu by device)")
     parser.add_argument("--sweeps", type=cli.choice_list(configs.SWEEPS), default=configs.SWEEPS,
                         help=f"comma list of: {', '.join(configs.SWEEPS)} (default: all)")
-    parser.add_argument("--sizes", type=cli.size_list, default=None, help="override the size sweep, e.g. 1M,10M,100M,1B")
+    parser.add_argument("--sizes", type=cli.size_list, default=None, help="override the size sweep, e.g. 1M,10M,100M,1B (the memory sweep takes the largest)")
     from ampfused import _backends
 
     parser.add_argument("--backends", type=cli.choice_list(_backends.BACKEND_NAMES), default=None,
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
     device = cli.pick_device(parser, args.device)
     plan_name = args.plan or ("quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu"))
-    if args.sizes and "size" not in args.sweeps:
-        parser.error("--sizes sets the size sweep, which --sweeps leaves out")
+    if args.sizes and not {"size", "memory"} & set(args.sweeps):
+        parser.error("--sizes sets the size and memory sweeps, which --sweeps leaves out")
     backends, skipped = ampfused_backends(device, args.backends, args.triton_interpreter)
     if args.backends and not backends:
         parser.error("--backends: none of the requested backends can run here: " +

@@ -27,7 +27,7 @@ def run_main(capsys, *argv):
     (["bench", "--threads", "0"], "argument --threads: '0': must be at least 1"),
     (["bench", "--gate-steps", "x"], "argument --gate-steps: 'x' is not an integer"),
     (["bench", "--max-spread", "-1"], "argument --max-spread: '-1': must be above 0"),
-    (["bench", "--sweeps", "configs", "--sizes", "1M"], "--sizes sets the size sweep, which --sweeps leaves out"),
+    (["bench", "--sweeps", "configs", "--sizes", "1M"], "--sizes sets the size and memory sweeps, which --sweeps leaves out"),
     (["bench", "--bogus"], "unrecognized arguments: --bogus"),
     (["info", "--bogus"], "info takes no arguments: --bogus"),
     (["bogus"], "invalid choice: 'bogus'"),
