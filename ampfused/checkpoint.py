@@ -159,6 +159,9 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
         by_index = dict(zip(order, params))
     state = {}
     for index, entry in sd["state"].items():
+        if not entry:  # a param whose (empty) state was only read, never stepped: torch writes {} too
+            state[index] = {}
+            continue
         param = by_index.get(index)
         if param is not None:
             param = param.detach()
