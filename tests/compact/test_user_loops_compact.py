@@ -38,6 +38,9 @@ def modes_by_backend(*names):
     return [pytest.param(b, m, id=f"{b}-{mode_id(m)}") for b in have for m in (MODES if b == "reference" else FEW)]
 
 
+CHEAP = ("reference", "cpu")
+
+
 def backends(*names):
     from helpers import available_backends
     have = available_backends()
@@ -499,6 +502,49 @@ def test_param_groups_freezing_and_late_params(backend, mode):
     assert opt.state[model.inp.bias]["step"].item() == 3.0  # stepped from step 5
     assert opt.state[model.mid.bias]["step"].item() == 4.0
     assert opt.state[empty]["step"].item() == 5.0
+
+
+@pytest.mark.parametrize("backend", backends(*CHEAP))
+def test_group_added_mid_run_survives_a_checkpoint(backend):
+    """A group added at step 2 in split8 + int8 (+ amsgrad): the resumed run adds it again before
+    loading (as torch requires) and continues bit for bit, random rounding seeds included."""
+    mode = ("split8", "int8", False)
+
+    def make():
+        model = build()
+        extra = torch.nn.Parameter(torch.randn(300, 17, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16))
+        return model, extra, optimizer(model.parameters(), mode, backend, amsgrad=True)
+
+    def extra_grad(extra, step):
+        extra.grad = (torch.randn(extra.shape, generator=torch.Generator().manual_seed(step)) * 1e-2).to(DEVICE, extra.dtype)
+
+    model, extra, opt = make()
+    for step in range(6):
+        if step == 2:
+            opt.add_param_group({"params": [extra], "lr": 1e-3})
+        backward(model, step)
+        if step >= 2:
+            extra_grad(extra, step)
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            ckpt = save_load({"model": model.state_dict(), "extra": extra.detach().clone(), "opt": opt.state_dict()})
+    model2, extra2, opt2 = make()
+    model2.load_state_dict(ckpt["model"])
+    with torch.no_grad():
+        extra2.copy_(ckpt["extra"])
+    opt2.add_param_group({"params": [extra2], "lr": 5.0})
+    opt2.load_state_dict(ckpt["opt"])
+    assert opt2.param_groups[1]["lr"] == 1e-3
+    for step in range(4, 6):
+        backward(model2, step)
+        extra_grad(extra2, step)
+        opt2.step()
+        opt2.zero_grad()
+    assert_same_run(model, opt, model2, opt2)
+    assert torch.equal(extra, extra2)
+    assert opt.state[extra].keys() == opt2.state[extra2].keys()
+    assert all(torch.equal(opt.state[extra][k], opt2.state[extra2][k]) for k in opt.state[extra])
 
 
 # ------------------------------------------------------------------ 4. what users do with the optimizer
