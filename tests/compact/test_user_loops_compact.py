@@ -662,6 +662,22 @@ def test_split_masters_leave_fp32_params_their_own_master(master_weights):
             assert all(torch.equal(fp32.state[p][k], split.state[q][k]) for k in split.state[q])
 
 
+@pytest.mark.parametrize("master_weights", ["split16", "split8"])
+def test_split_masters_on_an_fp32_model_are_the_fp32_mode_and_say_so(master_weights):
+    """An all-fp32 model has no 16-bit param for a split master: nothing to refuse (DESIGN §9: fp32
+    params are their own master); the run is the default one bit for bit, the same bytes are kept, and
+    repr says that no param has a split master."""
+    runs = []
+    for mw in (None, master_weights):
+        model = build(torch.float32)
+        opt = optimizer(model.parameters(), (mw, None, False), "reference")
+        train(model, opt, one_cycle(opt), 2)
+        runs.append((model, opt))
+    assert_same_run(*runs[0], *runs[1])
+    assert runs[0][1].state_bytes() == runs[1][1].state_bytes()
+    assert f"{master_weights} master weights: 0 of 0 fp16/bf16 params" in repr(runs[1][1])
+
+
 def test_int8_moments_with_amsgrad_follow_torch():
     model = build()
     opt = optimizer(model.parameters(), ("split8", "int8", False), "reference", amsgrad=True)
