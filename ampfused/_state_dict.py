@@ -70,6 +70,8 @@ def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
     for key, values in saved_state.items():
         if key not in param_of:
             raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
+        if not values:  # [note: empty entries] opt.state is a defaultdict: reading opt.state[p] of a param
+            continue    # that never stepped leaves {}, which torch saves and loads as "no state yet"
         p = param_of[key]
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values and k + "_codes" not in values]
         if missing:
@@ -127,6 +129,8 @@ def apply(opt: Optimizer, checked: Checked) -> None:
     room.layout()
     room.masters_pending = []
     for key, values in checked.saved_state.items():
+        if not values:  # see [note: empty entries]
+            continue
         p = checked.param_of[key]
         room.init(p, bool(checked.amsgrad_of[key]))
         state = opt.state[p]

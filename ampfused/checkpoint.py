@@ -139,8 +139,8 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
     master also gets the fp32 ``master_param`` that ampfused's fp32 mode loads (a ``split16``/``split8``
     master is the param plus stored bits, so it cannot be rebuilt without the param); without them
     those masters are dropped, and torch continues from the params. The compact keys (see
-    ``ampfused._compact``) are replaced; other entries and ``param_groups`` are copied; ``sd`` is not
-    modified. Example::
+    ``ampfused._compact``) are replaced; other entries and ``param_groups`` are copied (every tensor of
+    the result is its own, never one of ``sd``'s); ``sd`` is not modified. Example::
 
         torch_sd = ampfused.checkpoint.to_torch_state_dict(opt.state_dict(), [p for g in opt.param_groups for p in g["params"]])
         torch.optim.AdamW(model.parameters()).load_state_dict(torch_sd)
@@ -159,6 +159,9 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
         by_index = dict(zip(order, params))
     state = {}
     for index, entry in sd["state"].items():
+        if not entry:  # a param whose (empty) state was only read, never stepped: torch writes {} too
+            state[index] = {}
+            continue
         param = by_index.get(index)
         if param is not None:
             param = param.detach()
@@ -166,5 +169,10 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
             if shape is not None and tuple(shape) != tuple(param.shape):
                 raise ValueError(f"param for state {index} has shape {tuple(param.shape)}, its state {tuple(shape)}: params are not in state-dict order")
         kept = {k: v for k, v in entry.items() if not _compact.is_compact_key(k)}
-        state[index] = {**kept, **_compact.decode_state(entry, param)}
+        converted = {**kept, **_compact.decode_state(entry, param)}
+        # [note: no aliasing] a state dict holds the optimizer's live tensors (as torch's does), and torch's
+        # load_state_dict keeps fp32 tensors it loads onto fp32 params as they are: a converted dict
+        # loaded in the same process would share (and step) ampfused's counters and moments. Copy them.
+        originals = {id(v) for v in entry.values()}
+        state[index] = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in originals else v for k, v in converted.items()}
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
