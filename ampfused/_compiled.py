@@ -117,7 +117,7 @@ def copy_back_unscaled(grads, kernel_grads) -> None:
 
 # The compact encodings (DESIGN §9) each device's update kernel serves natively; the others go to
 # the reference passes inside the same step (functional.run_step).
-COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "sr"}), "cuda": frozenset()}
+COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "int8", "sr"}), "cuda": frozenset()}
 
 
 class CompiledBackend:
@@ -153,10 +153,14 @@ class CompiledBackend:
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                       stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
                       rounding_seed: int | None = None) -> None:
-        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 moments
-        # (the only ones with scales) are not among COMPACT_MODES, so the caller never sends them here
+        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 codes with
+        # their block scales, three per tensor (an empty tensor for none), where the kernels serve them
+        flat_scales = None
         if moment_scales is not None and any(s is not None for s in moment_scales):
-            raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
+            if "int8" not in self.COMPACT_MODES:
+                raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
+            empty = self._empty(params[0].device)
+            flat_scales = [empty if t is None else t for s in moment_scales for t in (s if s is not None else (None,) * 3)]
         # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
         lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
         lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]
@@ -168,7 +172,8 @@ class CompiledBackend:
             [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
             list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
             [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
-            self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed))
+            self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
+            flat_scales)
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 

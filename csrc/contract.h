@@ -9,6 +9,13 @@
 
 #include <cstdint>
 
+// What both the host and the device call (nvcc reads __host__ __device__; host compilers see inline).
+#if defined(__CUDACC__)
+#define AMPFUSED_CONTRACT_HD __host__ __device__ inline
+#else
+#define AMPFUSED_CONTRACT_HD inline
+#endif
+
 namespace ampfused {
 
 // ------------------------------------------------------------------ the stats vector
@@ -63,6 +70,7 @@ constexpr int32_t kMasterSplit16 = 1;  // int16 low halves of the fp32 master (b
 constexpr int32_t kMasterSplit8 = 2;   // int8 residuals in ulp(p)/256 (bf16 and fp16 params)
 constexpr int32_t kMomentF32 = 0;      // fp32 exp_avg / exp_avg_sq / max_exp_avg_sq
 constexpr int32_t kMomentBF16 = 1;     // bf16 moments (round to nearest even, or stochastic)
+constexpr int32_t kMomentInt8 = 2;     // int8 exp_avg / uint8 exp_avg_sq codes, fp32 scales per 256 elements
 
 // One tensor of the update pass, as the op checked it: the only per-tensor record. The CPU hot
 // loops take element ranges of it (cpu/cpu_kernels.h), the CUDA update reads an array of it from
@@ -75,20 +83,25 @@ struct UpdateTensor {
   float* max_exp_avg_sq;  // nullptr without AMSGrad
   float* master;          // nullptr without a master copy (the param is its own master)
   float* step;            // one fp32 element, advanced once the update has read it
+  // kMomentInt8: the fp32 scale of each 256-element block of exp_avg / exp_avg_sq / max_exp_avg_sq
+  // (read for the decode, rewritten with the new block maxima); nullptr otherwise
+  float* exp_avg_scales;
+  float* exp_avg_sq_scales;
+  float* max_exp_avg_sq_scales;
   int64_t numel;
   int32_t param_dtype;    // dtype codes
   int32_t grad_dtype;
   int32_t group;          // index into the UpdateGroup list
   int32_t aligned;        // every pointer allows 4-element vector access (the CUDA update's fast path)
   int32_t master_kind;    // kMasterF32 / kMasterSplit16 / kMasterSplit8
-  int32_t moment_kind;    // kMomentF32 / kMomentBF16 (all of the tensor's moments alike)
+  int32_t moment_kind;    // kMomentF32 / kMomentBF16 / kMomentInt8 (all of the tensor's moments alike)
   int32_t stochastic;     // 1: bf16 writes without an exact master round stochastically (the call has a seed)
   int32_t index;          // position in the op's lists: with the seed, it keys the random bits
 };
 
 // Whether the tensor takes the compact element loop rather than the fp32 one: a compact master or
 // moment, or a stochastically rounded bf16 param without a master.
-inline bool is_compact(const UpdateTensor& t) {
+AMPFUSED_CONTRACT_HD bool is_compact(const UpdateTensor& t) {
   return t.master_kind != kMasterF32 || t.moment_kind != kMomentF32 ||
          (t.stochastic != 0 && t.param_dtype == kBF16 && t.master == nullptr);
 }

@@ -23,7 +23,10 @@
 // adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7).
 // Compact state (DESIGN §9) is told by the dtypes of masters and moments (ops_common.h);
 // rounding_seed (None: round to nearest even) makes the bf16 writes without an exact master
-// stochastic, from a counter-based hash of (seed, list index, element index).
+// stochastic, from a counter-based hash of (seed, list index, element index). moment_scales (None
+// when no tensor has int8 moments) holds three entries per tensor, the fp32 block scales of its
+// exp_avg, exp_avg_sq and max_exp_avg_sq codes, an empty tensor where it has none; a kernel that
+// does not serve int8 moments refuses them.
 //
 // grad_stats with check_nonfinite=false lets only found_inf skip (skip_nonfinite=False).
 TORCH_LIBRARY(ampfused, m) {
@@ -34,7 +37,8 @@ TORCH_LIBRARY(ampfused, m) {
       "adamw_update(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
-      "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None, int? rounding_seed=None) -> ()");
+      "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None, int? rounding_seed=None, "
+      "Tensor(i!)[]? moment_scales=None) -> ()");
   m.def(
       "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "

@@ -2,7 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 #include "adamw_math.h"
+#include "compact_math.h"  // compact::kBlock
 
 namespace ampfused {
 
@@ -37,16 +40,37 @@ void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* w
   TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfused: ", what, "[", i, "] must be float32, got ", t.scalar_type());
 }
 
-// A moment buffer: float32, or bfloat16 (state_dtype=torch.bfloat16) of the same dtype as exp_avgs[i].
-int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
+// A moment buffer: float32, bfloat16 (state_dtype=torch.bfloat16), or with `int8_ok` int8 codes
+// (exp_avg) / uint8 codes (exp_avg_sq, max_exp_avg_sq) of state_dtype="int8".
+int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, bool int8_ok) {
   check_like(t, param, what, i);
+  const bool signed_codes = std::strcmp(what, "exp_avgs") == 0;
   switch (t.scalar_type()) {
     case at::kFloat: return kMomentF32;
     case at::kBFloat16: return kMomentBF16;
+    case at::kChar:
+    case at::kByte:
+      TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes, which these kernels do not serve");
+      TORCH_CHECK(t.scalar_type() == (signed_codes ? at::kChar : at::kByte), "ampfused: ", what, "[", i, "] is ",
+                  t.scalar_type(), ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
+      return kMomentInt8;
     default:
-      TORCH_CHECK(false, "ampfused: ", what, "[", i, "] must be float32 or bfloat16, got ", t.scalar_type(),
-                  " (int8 moments are not served by these kernels)");
+      TORCH_CHECK(false, "ampfused: ", what, "[", i, "] must be float32, bfloat16", int8_ok ? " or int8/uint8 codes" : "",
+                  ", got ", t.scalar_type());
   }
+}
+
+// The fp32 block scales of tensor i's int8 codes (entry `slot` of its three in moment_scales).
+float* scales_of(const std::optional<at::TensorList>& moment_scales, size_t i, int slot, const at::Tensor& param,
+                 const char* what) {
+  TORCH_CHECK(moment_scales.has_value(), "ampfused: ", what, "[", i, "] holds int8 codes but moment_scales is None");
+  const at::Tensor& s = (*moment_scales)[3 * i + slot];
+  const int64_t blocks = (param.numel() + compact::kBlock - 1) / compact::kBlock;
+  TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == blocks &&
+                  s.device() == param.device(),
+              "ampfused: moment_scales[", 3 * i + slot, "] (the scales of ", what, "[", i, "]) must be a contiguous float32 ",
+              "tensor of ", blocks, " elements (one per ", compact::kBlock, ") on ", param.device());
+  return s.data_ptr<float>();
 }
 
 // A master buffer: float32 (fp32 master), int16 (split16: bf16 params) or int8 (split8: bf16/fp16 params).
@@ -111,7 +135,8 @@ UpdateCall collect_update(
     at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
-    std::optional<int64_t> rounding_seed, c10::DeviceType device_type) {
+    std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales, c10::DeviceType device_type,
+    bool int8_moments) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -140,6 +165,9 @@ UpdateCall collect_update(
     }
     out.groups.push_back(group);
   }
+  TORCH_CHECK(!moment_scales.has_value() || moment_scales->size() == 3 * n, "ampfused::adamw_update: moment_scales "
+              "must hold three entries per tensor (exp_avg, exp_avg_sq and max_exp_avg_sq scales), got ",
+              moment_scales.has_value() ? moment_scales->size() : 0, " for ", n, " tensors");
   if (n == 0) return out;
   const at::Device device = out.device;
   TORCH_CHECK(device.type() == device_type, "ampfused::adamw_update (", c10::DeviceTypeName(device_type),
@@ -154,8 +182,8 @@ UpdateCall collect_update(
     const bool amsgrad = (out.groups[groups[i]].flags & kFlagAmsgrad) != 0;
     check_like(grads[i], p, "grads", i);
     UpdateTensor t{};
-    t.moment_kind = moment_kind_of(exp_avgs[i], p, "exp_avgs", i);
-    TORCH_CHECK(moment_kind_of(exp_avg_sqs[i], p, "exp_avg_sqs", i) == t.moment_kind, "ampfused: exp_avg_sqs[", i,
+    t.moment_kind = moment_kind_of(exp_avgs[i], p, "exp_avgs", i, int8_moments);
+    TORCH_CHECK(moment_kind_of(exp_avg_sqs[i], p, "exp_avg_sqs", i, int8_moments) == t.moment_kind, "ampfused: exp_avg_sqs[", i,
                 "] is ", exp_avg_sqs[i].scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
                 ": a tensor's moments share one dtype");
     t.param = p.data_ptr();
@@ -168,10 +196,20 @@ UpdateCall collect_update(
       const at::Tensor& vmax = max_exp_avg_sqs[i];
       TORCH_CHECK(present(vmax) || p.numel() == 0, "ampfused: max_exp_avg_sqs[", i, "] is empty (None) but its group uses amsgrad");
       if (p.numel() > 0) {
-        TORCH_CHECK(moment_kind_of(vmax, p, "max_exp_avg_sqs", i) == t.moment_kind, "ampfused: max_exp_avg_sqs[", i,
+        TORCH_CHECK(moment_kind_of(vmax, p, "max_exp_avg_sqs", i, int8_moments) == t.moment_kind, "ampfused: max_exp_avg_sqs[", i,
                     "] is ", vmax.scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
                     ": a tensor's moments share one dtype");
         t.max_exp_avg_sq = static_cast<float*>(vmax.data_ptr());
+      }
+    }
+    if (t.moment_kind == kMomentInt8) {
+      t.exp_avg_scales = scales_of(moment_scales, i, 0, p, "exp_avgs");
+      t.exp_avg_sq_scales = scales_of(moment_scales, i, 1, p, "exp_avg_sqs");
+      if (t.max_exp_avg_sq != nullptr) t.max_exp_avg_sq_scales = scales_of(moment_scales, i, 2, p, "max_exp_avg_sqs");
+    } else if (moment_scales.has_value()) {
+      for (int slot = 0; slot < 3; ++slot) {
+        TORCH_CHECK(!present((*moment_scales)[3 * i + slot]), "ampfused: moment_scales[", 3 * i + slot,
+                    "] is given but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(), ", not int8 codes");
       }
     }
     const at::Tensor& master = masters[i];
@@ -190,7 +228,7 @@ UpdateCall collect_update(
     t.param_dtype = dtype_code(p, "params");
     t.grad_dtype = dtype_code(grads[i], "grads");
     t.group = static_cast<int32_t>(groups[i]);
-    const int64_t moment_bytes = t.moment_kind == kMomentF32 ? 4 : 2;
+    const int64_t moment_bytes = t.moment_kind == kMomentF32 ? 4 : t.moment_kind == kMomentBF16 ? 2 : 1;
     const int64_t master_bytes = present(master) ? element_bytes(master) : 4;
     t.aligned = aligned4(t.param, element_size(t.param_dtype)) && aligned4(t.grad, element_size(t.grad_dtype)) &&
                 aligned4(t.exp_avg, moment_bytes) && aligned4(t.exp_avg_sq, moment_bytes) &&
