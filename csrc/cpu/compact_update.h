@@ -49,18 +49,32 @@ struct Setup {
   }
 };
 
-using LoadFn = void (*)(float*, const UpdateRange&, int64_t, int64_t);
+using LoadFn = float* (*)(float*, const UpdateRange&, int64_t, int64_t);  // returns where the weights are
 using StepFn = void (*)(float*, const float*, const UpdateRange&, int64_t, int64_t);
 using StoreFn = void (*)(const float*, float*, const UpdateRange&, int64_t, int64_t);
 
+// compact::split16 with its tie rule as one integer step: at a tie (low half 0x8000) the master
+// moves one fp32 ulp toward RNE's side (down when the high half is even, up when odd), and then
+// rounding half up is RNE and carries the same high half (bitwise compact::split16; fewer vector
+// operations than its branches become).
+AMPFUSED_HD void split16_bits(float w, uint16_t& param_bits, uint16_t& low) {
+  const uint32_t u = compact::bits_of(w);
+  const uint32_t lsb = (u >> 16) & 1u;
+  const uint32_t moved = (u & 0xFFFFu) == 0x8000u ? u + 2u * lsb - 1u : u;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  param_bits = static_cast<uint16_t>(nan ? (u >> 16) | 0x40u : (moved + 0x8000u) >> 16);
+  low = static_cast<uint16_t>(nan ? 0u : moved & 0xFFFFu);
+}
+
 // ------------------------------------------------------------------ phase 1: decode the weights
 
+// The weights of elements at..at+n as floats: an fp32 master is stepped where it lies (no copy),
+// the others are decoded into w.
 template <typename P, int MK>
-void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t n) {
+float* load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t n) {
   const P* __restrict p = static_cast<const P*>(r.param) + at;
   if constexpr (MK == kMasterF32) {
-    const float* __restrict master = r.master + at;
-    for (int64_t j = 0; j < n; ++j) w[j] = master[j];
+    return r.master + at;
   } else if constexpr (MK == kMasterSplit16) {
     const uint16_t* __restrict low = reinterpret_cast<const uint16_t*>(r.master) + at;
     for (int64_t j = 0; j < n; ++j) w[j] = compact::join16(p[j].x, low[j]);
@@ -79,6 +93,7 @@ void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t
       }
     }
   }
+  return w;
 }
 
 // ------------------------------------------------------------------ phase 2: the AdamW math
@@ -234,12 +249,7 @@ void store_weights(const float* __restrict w, float* __restrict tmp, const Updat
   P* __restrict p = static_cast<P*>(r.param) + at;
   if constexpr (MK == kMasterSplit16) {
     uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
-    for (int64_t j = 0; j < n; ++j) {
-      uint16_t hi, lo;
-      compact::split16(w[j], hi, lo);
-      p[j].x = hi;
-      low[j] = lo;
-    }
+    for (int64_t j = 0; j < n; ++j) split16_bits(w[j], p[j].x, low[j]);
   } else if constexpr (MK == kMasterSplit8) {
     constexpr bool kFp16 = std::is_same<P, Half>::value;
     int8_t* __restrict q = reinterpret_cast<int8_t*>(r.master) + at;
@@ -252,10 +262,7 @@ void store_weights(const float* __restrict w, float* __restrict tmp, const Updat
       q[j] = static_cast<int8_t>(is_finite_f32(t) ? c : 0.0f);
     }
   } else {
-    if constexpr (MK == kMasterF32) {
-      float* __restrict master = r.master + at;
-      for (int64_t j = 0; j < n; ++j) master[j] = w[j];
-    }
+    // (an fp32 master was stepped in place: w is the master)
     if constexpr (SR && MK == kNone && std::is_same<P, BFloat16>::value) {
       // a bf16 param without a master: stochastic (the param's stream, see compact_random.h)
       const Setup st(r, at);
@@ -297,10 +304,7 @@ void split16_step(float* __restrict /*unused*/, const float* __restrict g, const
   for (int64_t j = 0; j < n; ++j) {
     float w = compact::join16(p[j], low[j]);
     step_element<BF16, AMSGRAD, SR>(w, g[j], st, j);
-    uint16_t hi, lo;
-    compact::split16(w, hi, lo);
-    p[j] = hi;
-    low[j] = lo;
+    split16_bits(w, p[j], low[j]);
   }
 }
 
@@ -310,7 +314,7 @@ StepFn split16_for_m(bool amsgrad, bool sr) {
   return sr ? &split16_step<BF16, false, true> : &split16_step<BF16, false, false>;
 }
 
-void no_weights(float*, const UpdateRange&, int64_t, int64_t) {}
+float* no_weights(float* w, const UpdateRange&, int64_t, int64_t) { return w; }
 void no_store(const float*, float*, const UpdateRange&, int64_t, int64_t) {}
 
 // ------------------------------------------------------------------ choosing the phases
@@ -407,9 +411,9 @@ void compact_update(const UpdateRange& r) {
       case kF16: grad_block<Half>(r, at, n, gbuf, g); break;
       default: grad_block<BFloat16>(r, at, n, gbuf, g); break;
     }
-    load(wbuf, r, at, n);
-    step(wbuf, g, r, at, n);
-    store(wbuf, tmp, r, at, n);
+    float* w = load(wbuf, r, at, n);
+    step(w, g, r, at, n);
+    store(w, tmp, r, at, n);
     if (unscaled != nullptr) unscaled(g, tmp, r, at, n);
   }
 }
