@@ -3,10 +3,11 @@
 // widen/narrow it uses), into the same namespace; ops_cpu.cpp sends a range here when contract.h's
 // is_compact says so, in the same parallel loop as the fp32 ranges.
 //
-// [note: compact by blocks] A range is walked in blocks of kConvert elements through three float
-// buffers in L1, one phase per job: decode the weights (the fp32 master: join16 / join8, or the
-// param), the AdamW math with the moments read and written in their encoding, then encode the
-// weights (split16 / split8, or the param RNE or stochastically rounded). Each phase is a
+// [note: compact by blocks] A range is walked in blocks of kConvert elements through float buffers
+// in L1, one phase per job: decode the weights (join16 / join8, or the param; an fp32 master is
+// stepped in place), the AdamW math with the moments read and written in their encoding (int8
+// codes 256 elements at a time: [note: int8 by blocks]), then encode the weights (split16 /
+// split8, or the param RNE or stochastically rounded). Each phase is a
 // branch-free loop templated on its own choices only (param type x master kind, moment kind x
 // amsgrad x rounding), so few instantiations cover every combination and each one vectorizes.
 // The math is adamw_element, the fp32 path's, so split16 reproduces the fp32-master step bitwise.
