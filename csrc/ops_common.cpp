@@ -50,7 +50,7 @@ int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char*
     case at::kBFloat16: return kMomentBF16;
     case at::kChar:
     case at::kByte:
-      TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes, which these kernels do not serve");
+      TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
       TORCH_CHECK(t.scalar_type() == (signed_codes ? at::kChar : at::kByte), "ampfused: ", what, "[", i, "] is ",
                   t.scalar_type(), ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
       return kMomentInt8;
