@@ -1,12 +1,13 @@
-// The CPU update of tensors with compact state (DESIGN §9): split16 / split8 masters, bf16
-// moments, stochastic rounding. Included by each ISA file right after kernels_impl.h (whose
+// The CPU update of tensors with compact state (DESIGN §9): split16 / split8 masters, bf16 and
+// int8 moments, stochastic rounding. Included by each ISA file right after kernels_impl.h (whose
 // widen/narrow it uses), into the same namespace; ops_cpu.cpp sends a range here when contract.h's
 // is_compact says so, in the same parallel loop as the fp32 ranges.
 //
-// [note: compact by blocks] A range is walked in blocks of kConvert elements through three float
-// buffers in L1, one phase per job: decode the weights (the fp32 master: join16 / join8, or the
-// param), the AdamW math with the moments read and written in their encoding, then encode the
-// weights (split16 / split8, or the param RNE or stochastically rounded). Each phase is a
+// [note: compact by blocks] A range is walked in blocks of kConvert elements through float buffers
+// in L1, one phase per job: decode the weights (join16 / join8, or the param; an fp32 master is
+// stepped in place), the AdamW math with the moments read and written in their encoding (int8
+// codes 256 elements at a time: [note: int8 by blocks]), then encode the weights (split16 /
+// split8, or the param RNE or stochastically rounded). Each phase is a
 // branch-free loop templated on its own choices only (param type x master kind, moment kind x
 // amsgrad x rounding), so few instantiations cover every combination and each one vectorizes.
 // The math is adamw_element, the fp32 path's, so split16 reproduces the fp32-master step bitwise.
@@ -27,18 +28,54 @@ using compact::random_bits;
 // The master encodings with a fixed element type (kMasterF32 without a master is kNone).
 constexpr int kNone = -1;
 
-using LoadFn = void (*)(float*, const UpdateRange&, int64_t, int64_t);
+// [note: one setup] What every element loop reads from its range, gathered once: the step's
+// scalars, the gradient factor, the moment buffers (cast by the caller's moment kind) and the
+// stochastic-rounding keys of elements at + j (compact_random.h).
+struct Setup {
+  AdamWScalars s;
+  float factor;
+  void* m;
+  void* v;
+  void* vmax;  // nullptr without AMSGrad
+  uint32_t k0, key[4];
+
+  Setup(const UpdateRange& r, int64_t at)
+      : s(*r.scalars), factor(r.factor), m(r.exp_avg), v(r.exp_avg_sq), vmax(r.max_exp_avg_sq),
+        k0(static_cast<uint32_t>(at)), key{r.rounding_keys[0], r.rounding_keys[1], r.rounding_keys[2], r.rounding_keys[3]} {}
+
+  // 32 random bits of element at + j: stream 0 (exp_avg low half, exp_avg_sq high half) or 1
+  // (max_exp_avg_sq low half, the param high half)
+  AMPFUSED_HD uint32_t bits(int64_t j, int stream) const {
+    return random_bits(k0 + static_cast<uint32_t>(j), key[2 * stream], key[2 * stream + 1]);
+  }
+};
+
+using LoadFn = float* (*)(float*, const UpdateRange&, int64_t, int64_t);  // returns where the weights are
 using StepFn = void (*)(float*, const float*, const UpdateRange&, int64_t, int64_t);
 using StoreFn = void (*)(const float*, float*, const UpdateRange&, int64_t, int64_t);
 
+// compact::split16 with its tie rule as one integer step: at a tie (low half 0x8000) the master
+// moves one fp32 ulp toward RNE's side (down when the high half is even, up when odd), and then
+// rounding half up is RNE and carries the same high half (bitwise compact::split16; fewer vector
+// operations than its branches become).
+AMPFUSED_HD void split16_bits(float w, uint16_t& param_bits, uint16_t& low) {
+  const uint32_t u = compact::bits_of(w);
+  const uint32_t lsb = (u >> 16) & 1u;
+  const uint32_t moved = (u & 0xFFFFu) == 0x8000u ? u + 2u * lsb - 1u : u;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  param_bits = static_cast<uint16_t>(nan ? (u >> 16) | 0x40u : (moved + 0x8000u) >> 16);
+  low = static_cast<uint16_t>(nan ? 0u : moved & 0xFFFFu);
+}
+
 // ------------------------------------------------------------------ phase 1: decode the weights
 
+// The weights of elements at..at+n as floats: an fp32 master is stepped where it lies (no copy),
+// the others are decoded into w.
 template <typename P, int MK>
-void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t n) {
+float* load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t n) {
   const P* __restrict p = static_cast<const P*>(r.param) + at;
   if constexpr (MK == kMasterF32) {
-    const float* __restrict master = r.master + at;
-    for (int64_t j = 0; j < n; ++j) w[j] = master[j];
+    return r.master + at;
   } else if constexpr (MK == kMasterSplit16) {
     const uint16_t* __restrict low = reinterpret_cast<const uint16_t*>(r.master) + at;
     for (int64_t j = 0; j < n; ++j) w[j] = compact::join16(p[j].x, low[j]);
@@ -57,6 +94,7 @@ void load_weights(float* __restrict w, const UpdateRange& r, int64_t at, int64_t
       }
     }
   }
+  return w;
 }
 
 // ------------------------------------------------------------------ phase 2: the AdamW math
@@ -79,29 +117,129 @@ AMPFUSED_HD float get_moment(const void* base, int64_t j) {
   }
 }
 
-// w: the decoded weights in, the new weights out; g: the raw gradient (times r.factor here).
+// The math of element j (global index at + j) on moments of type M (float or bf16 bits): read,
+// adamw_element, write back (bf16: RNE or stochastic); w in and out.
+template <bool BF16, bool AMSGRAD, bool SR>
+AMPFUSED_HD void step_element(float& w, float g, const Setup& st, int64_t j) {
+  using M = std::conditional_t<BF16, uint16_t, float>;
+  M* __restrict m = static_cast<M*>(st.m);
+  M* __restrict v = static_cast<M*>(st.v);
+  M* __restrict vmax = static_cast<M*>(st.vmax);
+  float mi = get_moment<BF16>(m, j);
+  float vi = get_moment<BF16>(v, j);
+  float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
+  adamw_element<AMSGRAD>(w, g * st.factor, mi, vi, vmaxi, st.s);
+  const uint32_t bits_a = SR ? st.bits(j, 0) : 0u;
+  put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
+  put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
+  if (AMSGRAD) put_moment<BF16, SR>(vmax, j, vmaxi, SR ? st.bits(j, 1) & 0xFFFFu : 0u);
+}
+
+// w: the decoded weights in, the new weights out; g: the raw gradient (times the factor here).
 template <bool BF16, bool AMSGRAD, bool SR>
 void step_moments(float* __restrict w, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
   using M = std::conditional_t<BF16, uint16_t, float>;
-  M* __restrict m = reinterpret_cast<M*>(r.exp_avg) + at;
-  M* __restrict v = reinterpret_cast<M*>(r.exp_avg_sq) + at;
-  M* __restrict vmax = AMSGRAD ? reinterpret_cast<M*>(r.max_exp_avg_sq) + at : nullptr;
-  const AdamWScalars s = *r.scalars;
-  const float factor = r.factor;
-  const uint32_t k0 = static_cast<uint32_t>(at), key0 = r.rounding_keys[0], key1 = r.rounding_keys[1],
-                 key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
-  for (int64_t j = 0; j < n; ++j) {
-    float mi = get_moment<BF16>(m, j);
-    float vi = get_moment<BF16>(v, j);
-    float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
-    adamw_element<AMSGRAD>(w[j], g[j] * factor, mi, vi, vmaxi, s);
-    const uint32_t bits_a = SR ? random_bits(k0 + static_cast<uint32_t>(j), key0, key1) : 0u;
-    put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
-    put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
-    if (AMSGRAD) {
-      const uint32_t bits_b = SR ? random_bits(k0 + static_cast<uint32_t>(j), key2, key3) : 0u;
-      put_moment<BF16, SR>(vmax, j, vmaxi, bits_b & 0xFFFFu);
+  Setup st(r, at);
+  st.m = static_cast<M*>(st.m) + at;
+  st.v = static_cast<M*>(st.v) + at;
+  if (AMSGRAD) st.vmax = static_cast<M*>(st.vmax) + at;
+  for (int64_t j = 0; j < n; ++j) step_element<BF16, AMSGRAD, SR>(w[j], g[j], st, j);
+}
+
+// ------------------------------------------------------------------ phase 2 with int8 moments
+
+// [note: int8 by blocks] A range starts on a block (kRange and kConvert are multiples of
+// compact::kBlock), so each 256-element block is stepped whole: decode its codes with the old
+// scale, the math (the new fp32 moments into L1 buffers, with their running maxima), then the
+// new scales (max |m|, max sqrt(v): the specification's amax, NaN included, from the bit patterns
+// of non-negative floats, whose order is their value's) and the codes of the new moments. sqrt(v)
+// is correctly rounded, as the specification's float64 sqrt rounded to fp32.
+AMPFUSED_HD uint32_t abs_bits(float x) { return compact::bits_of(x) & 0x7FFFFFFFu; }
+
+// Branch-free twins of compact_math.h's int8 codecs (the same bits, selects instead of early
+// returns, so that the block loops vectorize; tests/compact/test_cpu_compact.py holds them to the
+// specification). unit_code: |y| to its grid code, 0 for a non-finite y.
+template <int MANT, int ONE>
+AMPFUSED_HD uint32_t unit_code(float y) {
+  constexpr int kDrop = 23 - MANT;
+  const uint32_t u = abs_bits(y);
+  const uint32_t normal = ((u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u)) >> kDrop) - (112u << MANT);
+  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(rintf(compact::float_of(u) * static_cast<float>(1 << (14 + MANT)))));
+  uint32_t k = u >= 0x38800000u ? normal : sub;  // |y| >= 2^-14: RNE of the fp32 bits to MANT mantissa bits
+  k = k > static_cast<uint32_t>(ONE) ? static_cast<uint32_t>(ONE) : k;
+  return u >= 0x7F800000u ? 0u : k;
+}
+
+// The grid value of code k as one product: (2^MANT [f > 0] + t) 2^(max(f, 1) - 15 - MANT), both
+// factors exact (an unconditional multiply: GCC keeps a float operation under a condition as a
+// branch, and the loop would not vectorize).
+template <int MANT>
+AMPFUSED_HD float unit_value(uint32_t k) {
+  const uint32_t f = k >> MANT, t = k & ((1u << MANT) - 1u);
+  const uint32_t mant = t | (f != 0 ? 1u << MANT : 0u);
+  const uint32_t e = (f != 0 ? f : 1u) + 112u - MANT;  // biased exponent of 2^(max(f, 1) - 15 - MANT)
+  return static_cast<float>(static_cast<int32_t>(mant)) * compact::float_of(e << 23);
+}
+
+AMPFUSED_HD int8_t encode_signed(float m, float scale) {
+  const float y = m / scale;
+  const uint32_t k = unit_code<compact::kSignedMant, compact::kSignedOne>(y);
+  return static_cast<int8_t>(compact::bits_of(y) >> 31 ? 0u - k : k);
+}
+
+AMPFUSED_HD float decode_signed(int8_t code, float scale) {
+  const int32_t c = code;
+  const float v = unit_value<compact::kSignedMant>(static_cast<uint32_t>(c < 0 ? -c : c));
+  return compact::float_of(compact::bits_of(v) | (c < 0 ? 0x80000000u : 0u)) * scale;
+}
+
+// exp_avg_sq / max_exp_avg_sq: the code of root = sqrt(v), and v back from a code
+AMPFUSED_HD uint8_t encode_sqrt(float root, float scale) {
+  return static_cast<uint8_t>(unit_code<compact::kSqrtMant, compact::kSqrtOne>(root / scale));
+}
+
+AMPFUSED_HD float decode_sqrt(uint8_t code, float scale) {
+  const float r = unit_value<compact::kSqrtMant>(code) * scale;
+  return r * r;
+}
+
+template <bool AMSGRAD>
+void step_int8(float* __restrict w, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
+  const Setup st(r, at);
+  int8_t* __restrict mc = static_cast<int8_t*>(st.m) + at;
+  uint8_t* __restrict vc = static_cast<uint8_t*>(st.v) + at;
+  uint8_t* __restrict xc = AMSGRAD ? static_cast<uint8_t*>(st.vmax) + at : nullptr;
+  float* __restrict m_scale = r.exp_avg_scales + at / compact::kBlock;
+  float* __restrict v_scale = r.exp_avg_sq_scales + at / compact::kBlock;
+  float* __restrict x_scale = AMSGRAD ? r.max_exp_avg_sq_scales + at / compact::kBlock : nullptr;
+  float mb[compact::kBlock], vb[compact::kBlock], xb[compact::kBlock];
+  for (int64_t b = 0, blk = 0; b < n; b += compact::kBlock, ++blk) {
+    const int64_t len = n - b < compact::kBlock ? n - b : compact::kBlock;
+    const float ms = m_scale[blk], vs = v_scale[blk], xs = AMSGRAD ? x_scale[blk] : 0.f;
+    uint32_t m_max = 0, v_max = 0, x_max = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      float mi = decode_signed(mc[b + j], ms);
+      float vi = decode_sqrt(vc[b + j], vs);
+      float xi = AMSGRAD ? decode_sqrt(xc[b + j], xs) : 0.f;
+      adamw_element<AMSGRAD>(w[b + j], g[b + j] * st.factor, mi, vi, xi, st.s);
+      mb[j] = mi;
+      vb[j] = std::sqrt(vi);
+      m_max = m_max > abs_bits(mi) ? m_max : abs_bits(mi);
+      v_max = v_max > abs_bits(vb[j]) ? v_max : abs_bits(vb[j]);
+      if (AMSGRAD) {
+        xb[j] = std::sqrt(xi);
+        x_max = x_max > abs_bits(xb[j]) ? x_max : abs_bits(xb[j]);
+      }
     }
+    const float m_new = compact::float_of(m_max), v_new = compact::float_of(v_max), x_new = compact::float_of(x_max);
+    for (int64_t j = 0; j < len; ++j) {
+      mc[b + j] = encode_signed(mb[j], m_new);
+      vc[b + j] = encode_sqrt(vb[j], v_new);
+      if (AMSGRAD) xc[b + j] = encode_sqrt(xb[j], x_new);
+    }
+    m_scale[blk] = m_new;
+    v_scale[blk] = v_new;
+    if (AMSGRAD) x_scale[blk] = x_new;
   }
 }
 
@@ -112,12 +250,7 @@ void store_weights(const float* __restrict w, float* __restrict tmp, const Updat
   P* __restrict p = static_cast<P*>(r.param) + at;
   if constexpr (MK == kMasterSplit16) {
     uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
-    for (int64_t j = 0; j < n; ++j) {
-      uint16_t hi, lo;
-      compact::split16(w[j], hi, lo);
-      p[j].x = hi;
-      low[j] = lo;
-    }
+    for (int64_t j = 0; j < n; ++j) split16_bits(w[j], p[j].x, low[j]);
   } else if constexpr (MK == kMasterSplit8) {
     constexpr bool kFp16 = std::is_same<P, Half>::value;
     int8_t* __restrict q = reinterpret_cast<int8_t*>(r.master) + at;
@@ -130,16 +263,11 @@ void store_weights(const float* __restrict w, float* __restrict tmp, const Updat
       q[j] = static_cast<int8_t>(is_finite_f32(t) ? c : 0.0f);
     }
   } else {
-    if constexpr (MK == kMasterF32) {
-      float* __restrict master = r.master + at;
-      for (int64_t j = 0; j < n; ++j) master[j] = w[j];
-    }
+    // (an fp32 master was stepped in place: w is the master)
     if constexpr (SR && MK == kNone && std::is_same<P, BFloat16>::value) {
       // a bf16 param without a master: stochastic (the param's stream, see compact_random.h)
-      const uint32_t k0 = static_cast<uint32_t>(at), key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
-      for (int64_t j = 0; j < n; ++j) {
-        p[j].x = compact::bf16_sr_bits(w[j], random_bits(k0 + static_cast<uint32_t>(j), key2, key3) >> 16);
-      }
+      const Setup st(r, at);
+      for (int64_t j = 0; j < n; ++j) p[j].x = compact::bf16_sr_bits(w[j], st.bits(j, 1) >> 16);
     } else if constexpr (MK == kNone && std::is_same<P, BFloat16>::value) {
       for (int64_t j = 0; j < n; ++j) p[j].x = compact::bf16_rne_bits(w[j]);  // as round_bf16 (NaN stays quiet)
     } else {
@@ -170,30 +298,14 @@ void split16_step(float* __restrict /*unused*/, const float* __restrict g, const
   using M = std::conditional_t<BF16, uint16_t, float>;
   uint16_t* __restrict p = static_cast<uint16_t*>(r.param) + at;
   uint16_t* __restrict low = reinterpret_cast<uint16_t*>(r.master) + at;
-  M* __restrict m = reinterpret_cast<M*>(r.exp_avg) + at;
-  M* __restrict v = reinterpret_cast<M*>(r.exp_avg_sq) + at;
-  M* __restrict vmax = AMSGRAD ? reinterpret_cast<M*>(r.max_exp_avg_sq) + at : nullptr;
-  const AdamWScalars s = *r.scalars;
-  const float factor = r.factor;
-  const uint32_t k0 = static_cast<uint32_t>(at), key0 = r.rounding_keys[0], key1 = r.rounding_keys[1],
-                 key2 = r.rounding_keys[2], key3 = r.rounding_keys[3];
+  Setup st(r, at);
+  st.m = static_cast<M*>(st.m) + at;
+  st.v = static_cast<M*>(st.v) + at;
+  if (AMSGRAD) st.vmax = static_cast<M*>(st.vmax) + at;
   for (int64_t j = 0; j < n; ++j) {
     float w = compact::join16(p[j], low[j]);
-    float mi = get_moment<BF16>(m, j);
-    float vi = get_moment<BF16>(v, j);
-    float vmaxi = AMSGRAD ? get_moment<BF16>(vmax, j) : 0.f;
-    adamw_element<AMSGRAD>(w, g[j] * factor, mi, vi, vmaxi, s);
-    const uint32_t bits_a = SR ? random_bits(k0 + static_cast<uint32_t>(j), key0, key1) : 0u;
-    put_moment<BF16, SR>(m, j, mi, bits_a & 0xFFFFu);
-    put_moment<BF16, SR>(v, j, vi, bits_a >> 16);
-    if (AMSGRAD) {
-      const uint32_t bits_b = SR ? random_bits(k0 + static_cast<uint32_t>(j), key2, key3) : 0u;
-      put_moment<BF16, SR>(vmax, j, vmaxi, bits_b & 0xFFFFu);
-    }
-    uint16_t hi, lo;
-    compact::split16(w, hi, lo);
-    p[j] = hi;
-    low[j] = lo;
+    step_element<BF16, AMSGRAD, SR>(w, g[j], st, j);
+    split16_bits(w, p[j], low[j]);
   }
 }
 
@@ -203,7 +315,7 @@ StepFn split16_for_m(bool amsgrad, bool sr) {
   return sr ? &split16_step<BF16, false, true> : &split16_step<BF16, false, false>;
 }
 
-void no_weights(float*, const UpdateRange&, int64_t, int64_t) {}
+float* no_weights(float* w, const UpdateRange&, int64_t, int64_t) { return w; }
 void no_store(const float*, float*, const UpdateRange&, int64_t, int64_t) {}
 
 // ------------------------------------------------------------------ choosing the phases
@@ -278,7 +390,9 @@ void compact_update(const UpdateRange& r) {
   }
   const bool amsgrad = r.max_exp_avg_sq != nullptr;
   StepFn step = r.moment_kind == kMomentBF16 ? step_for_m<true>(amsgrad, sr) : step_for_m<false>(amsgrad, false);
-  if (mk == kMasterSplit16) {  // [note: fused split16]
+  if (r.moment_kind == kMomentInt8) {  // [note: int8 by blocks]: codes are never rounded stochastically
+    step = amsgrad ? &step_int8<true> : &step_int8<false>;
+  } else if (mk == kMasterSplit16) {  // [note: fused split16]
     load = &no_weights;
     store = &no_store;
     step = r.moment_kind == kMomentBF16 ? split16_for_m<true>(amsgrad, sr) : split16_for_m<false>(amsgrad, false);
@@ -298,9 +412,9 @@ void compact_update(const UpdateRange& r) {
       case kF16: grad_block<Half>(r, at, n, gbuf, g); break;
       default: grad_block<BFloat16>(r, at, n, gbuf, g); break;
     }
-    load(wbuf, r, at, n);
-    step(wbuf, g, r, at, n);
-    store(wbuf, tmp, r, at, n);
+    float* w = load(wbuf, r, at, n);
+    step(w, g, r, at, n);
+    store(w, tmp, r, at, n);
     if (unscaled != nullptr) unscaled(g, tmp, r, at, n);
   }
 }

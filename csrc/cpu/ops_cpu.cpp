@@ -174,7 +174,7 @@ const IsaKernels& kernels() {
 TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl("accumulate", &ampfused::cpu::accumulate_cpu);
   m.impl("grad_stats", &ampfused::cpu::grad_stats_cpu);
-  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu>);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu, /*int8 moments*/ true>);
   m.impl("scaler_update", &ampfused::cpu::scaler_update_cpu);
 }
 

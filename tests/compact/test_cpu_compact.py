@@ -1,9 +1,10 @@
-"""The CPU update kernel on compact state (split16 / split8 masters, bf16 moments, stochastic
-rounding) against the specification ``ampfused._compact.compact_adamw_step_``.
+"""The CPU update kernel on compact state (split16 / split8 masters, bf16 and int8 moments,
+stochastic rounding) against the specification ``ampfused._compact.compact_adamw_step_``.
 
 Round-to-nearest modes are compared bit for bit with the spec's encodings of the CPU kernel's own
 fp32 step (its "twin": the same step on the decoded master and moments), and split16 with the
-fp32-master path outright. Against the spec's whole step (torch ops), moments and step are bitwise
+fp32-master path outright. Against the spec's whole step (torch ops), moments (int8 codes and
+scales too) and step are bitwise
 and the weights within a few fp32 ulps, as the fp32 kernel is against ampfused.reference
 (tests/contract/test_passes.py: torch's division by a scalar is not correctly rounded). Stochastic rounding draws other bits than the spec's torch.randint, so it is
 checked by what SR promises: each value is one of its two bf16 neighbours, unbiased, reproducible
@@ -63,11 +64,25 @@ def stats(factor=1.0, skip=0.0):
 def run_native(cases, hypers, st, *, grad_scale=None, rounding_seed=None, master_weights=None):
     """cases: (param, grad, state, group index, master_weights). Calls the backend once for the list."""
     masters = [s.get(MASTER_KEY[mw]) if MASTER_KEY[mw] else None for _, _, s, _, mw in cases]
+    scales = [moment_scales(c[2]) for c in cases]
     BACKEND.adamw_update_(
-        [c[0] for c in cases], [c[1] for c in cases], [c[2]["exp_avg"] for c in cases],
-        [c[2]["exp_avg_sq"] for c in cases], [c[2].get("max_exp_avg_sq") for c in cases],
+        [c[0] for c in cases], [c[1] for c in cases], [moment(c[2], "exp_avg") for c in cases],
+        [moment(c[2], "exp_avg_sq") for c in cases], [moment(c[2], "max_exp_avg_sq") for c in cases],
         [c[2]["step"] for c in cases], masters, [c[3] for c in cases], hypers, st,
-        grad_scale=grad_scale, rounding_seed=rounding_seed)
+        grad_scale=grad_scale, rounding_seed=rounding_seed,
+        moment_scales=scales if any(s is not None for s in scales) else None)
+
+
+def moment(state, key):
+    """What the op's moment list holds for ``key``: the fp32/bf16 moment or its int8 codes (None if absent)."""
+    return state.get(key + "_codes", state.get(key))
+
+
+def moment_scales(state):
+    """The (exp_avg, exp_avg_sq, max_exp_avg_sq) block scales of an int8 state, None otherwise."""
+    if "exp_avg_codes" not in state:
+        return None
+    return tuple(state.get(key + "_scales") for key in C.MOMENTS)
 
 
 def run_spec(cases, hypers, st):
@@ -91,8 +106,9 @@ def twin_of(case):
     param, grad, state, group, _ = case
     twin = {"step": state["step"].clone()}
     for key in C.MOMENTS:
-        if key in state:
-            twin[key] = state[key].float().clone()
+        value = C._decode_moment(state, key)
+        if value is not None:
+            twin[key] = value.clone()
     if param.dtype != torch.float32:
         twin["master_param"] = C._decode_master(state, param).clone()
     return (param.clone(), grad.clone(), twin, group, "fp32")
@@ -104,7 +120,9 @@ def encode_twin(case, twin):
     _, _, t, _, _ = twin
     want = {"step": t["step"]}
     for key in C.MOMENTS:
-        if key in state:
+        if key + "_codes" in state:
+            want[key + "_codes"], want[key + "_scales"] = C.quantize(t[key], "signed" if key == "exp_avg" else "sqrt")
+        elif key in state:
             want[key] = C.round_bf16(t[key]) if state[key].dtype == torch.bfloat16 else t[key]
     if param.dtype == torch.float32:
         return twin[0], want
@@ -124,8 +142,8 @@ def assert_like_spec(native, spec, what):
     """Moments and step bitwise; weights (decoded) within a few fp32 ulps, the param within its rounding."""
     (p1, _, s1, _, _), (p2, _, s2, _, _) = native, spec
     assert s1.keys() == s2.keys()
-    for key in ("step",) + C.MOMENTS:
-        if key in s1:
+    for key in s1:
+        if key not in MASTER_KEY.values():  # step, moments, int8 codes and scales
             same_bits(s1[key], s2[key], f"{what}: {key}")
     torch.testing.assert_close(p1.float(), p2.float(), rtol=2 ** -7, atol=1e-5, msg=f"{what}: param")
     if p1.dtype != torch.float32:
@@ -133,19 +151,22 @@ def assert_like_spec(native, spec, what):
                                    msg=f"{what}: master")
 
 
-def run_checked(cases, hypers, st, *, grad_scale=None):
-    """One native call over `cases`, each checked bitwise against its twin's encoding and closely against the spec."""
+def run_checked(cases, hypers, st, *, grad_scale=None, against_spec=True):
+    """One native call over `cases`, each checked bitwise against its twin's encoding and closely against the spec
+    (``against_spec=False``: int8 states under SMALL_TENSOR_NUMEL, which the spec would re-encode as fp32)."""
     twins = [twin_of(c) for c in cases]
     specs = [(c[0].clone(), c[1].clone(), clone_state(c[2]), c[3], c[4]) for c in cases]
     run_native(cases, hypers, st, grad_scale=grad_scale)
     run_native(twins, hypers, st)
-    run_spec(specs, hypers, st)
+    if against_spec:
+        run_spec(specs, hypers, st)
     for i, (case, twin, spec) in enumerate(zip(cases, twins, specs)):
         p, want = encode_twin(case, twin)
         same_bits(case[0], p, f"tensor {i}: param vs twin")
         for key in want:
             same_bits(case[2][key], want[key], f"tensor {i}: {key} vs twin")
-        assert_like_spec(case, spec, f"tensor {i}")
+        if against_spec:
+            assert_like_spec(case, spec, f"tensor {i}")
 
 
 # param dtype, master_weights, state_dtype: every pair the kernel serves natively
@@ -156,11 +177,13 @@ RNE_MODES = [
     (torch.bfloat16, "fp32", torch.bfloat16), (torch.float16, "fp32", torch.bfloat16),
     (torch.bfloat16, "none", torch.bfloat16), (torch.float16, "none", torch.bfloat16),
     (torch.float32, "fp32", torch.bfloat16),
+    (torch.bfloat16, "split16", "int8"), (torch.bfloat16, "split8", "int8"), (torch.float16, "split8", "int8"),
+    (torch.bfloat16, "fp32", "int8"), (torch.bfloat16, "none", "int8"), (torch.float32, "fp32", "int8"),
 ]
 
 
 def test_compact_modes_are_what_the_kernel_serves():
-    assert BACKEND.COMPACT_MODES == frozenset({"split16", "split8", "bf16", "sr"})
+    assert BACKEND.COMPACT_MODES == frozenset({"split16", "split8", "bf16", "int8", "sr"})
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -371,23 +394,81 @@ def test_bad_compact_dtypes_are_refused_before_anything_is_written():
         masters=torch.zeros(300, dtype=torch.int8), param_dtype=torch.float32)
     assert "must be float32 (fp32 master), int16 (split16) or int8 (split8)" in bad_call(
         masters=torch.zeros(300, dtype=torch.int32))
-    assert "int8 moments are not served" in bad_call(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+    assert "holds int8 codes but moment_scales is None" in bad_call(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8)
+    assert "keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes" in bad_call(
+        exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
     assert "a tensor's moments share one dtype" in bad_call(exp_avg_dtype=torch.bfloat16)
 
 
-def test_int8_moment_scales_are_refused():
-    with pytest.raises(NotImplementedError, match="int8 moments"):
-        BACKEND.adamw_update_([], [], [], [], [], [], [], [], [], stats(), moment_scales=[(torch.ones(1), torch.ones(1), None)])
+@pytest.mark.parametrize("bad", ["short", "float64", "on a float moment"])
+def test_bad_int8_scales_are_refused_before_anything_is_written(bad):
+    """Every tensor is checked before the first write: a bad entry of the second tensor leaves the first untouched."""
+    good = make_state(5000, torch.bfloat16, "split8", "int8", False, seed=70)
+    other = make_state(5000, torch.bfloat16, "split8", "int8" if bad != "on a float moment" else torch.float32, False,
+                       seed=71)
+    cases = [(good[0], make_grad(5000, torch.bfloat16, 1), good[1], 0, "split8"),
+             (other[0], make_grad(5000, torch.bfloat16, 2), other[1], 0, "split8")]
+    scales = [moment_scales(good[1]), moment_scales(other[1])]
+    if bad == "short":
+        scales[1] = (scales[1][0][:-1], scales[1][1], None)
+    elif bad == "float64":
+        scales[1] = (scales[1][0].double(), scales[1][1], None)
+    else:
+        scales[1] = scales[0]
+    before = [(p.clone(), clone_state(s)) for p, _, s, _, _ in cases]
+    hypers = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]
+    with pytest.raises(RuntimeError, match="moment_scales"):
+        BACKEND.adamw_update_([c[0] for c in cases], [c[1] for c in cases], [moment(c[2], "exp_avg") for c in cases],
+                              [moment(c[2], "exp_avg_sq") for c in cases], [None, None], [c[2]["step"] for c in cases],
+                              [c[2]["master_residual8"] for c in cases], [0, 0], hypers, stats(), moment_scales=scales)
+    for (p, _, s, _, _), (p0, s0) in zip(cases, before):
+        same_bits(p, p0, "param")
+        for key in s:
+            same_bits(s[key], s0[key], key)
+
+
+def test_int8_blocks_smaller_than_a_block_and_ragged_tails():
+    """int8 states of tensors under one block, one block plus a bit, and a range plus a partial block
+    (the optimizer keeps tensors under SMALL_TENSOR_NUMEL fp32, but the kernel serves any size)."""
+    hypers = [Hyper(2e-3, 0.9, 0.999, 1e-8, 0.01, True, False)]
+    cases = []
+    for i, n in enumerate((1, 100, 257, 65536 + 31)):
+        gen = torch.Generator().manual_seed(80 + i)
+        master = torch.randn(n, generator=gen) * 0.5
+        param = master.to(torch.bfloat16)
+        state = {"step": torch.tensor(2.0)}
+        state["master_residual8"] = C.split8(master, torch.bfloat16)[1]
+        for key, kind in (("exp_avg", "signed"), ("exp_avg_sq", "sqrt"), ("max_exp_avg_sq", "sqrt")):
+            value = torch.randn(n, generator=gen) * 1e-2 if kind == "signed" else torch.rand(n, generator=gen) * 1e-4
+            state[key + "_codes"], state[key + "_scales"] = C.quantize(value, kind)
+        cases.append((param, make_grad(n, torch.float32, seed=i), state, 0, "split8"))
+    for _ in range(2):
+        run_checked(cases, hypers, stats(factor=0.5), against_spec=False)
+
+
+def test_int8_moments_with_a_tensor_lr_and_maximize():
+    """A 0-d tensor lr (read by the op) and maximize on int8 moments, against the spec with the same float lr."""
+    lr = torch.tensor(3e-3, dtype=torch.float64)
+    param, state = make_state(9000, torch.bfloat16, "split16", "int8", True, seed=90)
+    spec = (param.clone(), make_grad(9000, torch.bfloat16, 5), clone_state(state), 0, "split16")
+    native = (param, spec[1].clone(), state, 0, "split16")
+    run_native([native], [Hyper(lr, 0.9, 0.999, 1e-8, 0.01, True, True)], stats(factor=2.0))
+    run_spec([spec], [Hyper(3e-3, 0.9, 0.999, 1e-8, 0.01, True, True)], stats(factor=2.0))
+    assert_like_spec(native, spec, "tensor lr")
 
 
 @pytest.mark.parametrize("test_utils", ["test_schema", "test_faketensor", "test_aot_dispatch_dynamic"])
 def test_opcheck_with_compact_state_and_a_seed(test_utils):
-    """The op with int16/int8 masters, bf16 moments and rounding_seed keeps its registration honest (torch.compile)."""
-    cases = [make_state(700, dt, mw, sd, True, seed=3) + (mw,) for dt, mw, sd in
-             [(torch.bfloat16, "split16", torch.bfloat16), (torch.float16, "split8", torch.float32)]]
-    args = ([p for p, _, _ in cases], [make_grad(700, p.dtype, 1) for p, _, _ in cases],
-            [s["exp_avg"] for _, s, _ in cases], [s["exp_avg_sq"] for _, s, _ in cases],
-            [s["max_exp_avg_sq"] for _, s, _ in cases], [s["step"] for _, s, _ in cases],
-            [s[MASTER_KEY[mw]] for _, s, mw in cases], [0, 0], [1e-3], [None], [0.9], [0.999], [1e-8], [0.01], [1],
-            torch.tensor([0.0, 0.0, 1.0, 0.0]), None, None, 77)
+    """The op with int16/int8 masters, bf16 and int8 moments (with their scales) and rounding_seed keeps its
+    registration honest (torch.compile)."""
+    cases = [make_state(n, dt, mw, sd, True, seed=3) + (mw,) for n, dt, mw, sd in
+             [(700, torch.bfloat16, "split16", torch.bfloat16), (700, torch.float16, "split8", torch.float32),
+              (4500, torch.bfloat16, "split8", "int8")]]
+    empty = torch.empty(0)
+    scales = [t if t is not None else empty for _, s, _ in cases for t in (moment_scales(s) or (None,) * 3)]
+    args = ([p for p, _, _ in cases], [make_grad(p.numel(), p.dtype, 1) for p, _, _ in cases],
+            [moment(s, "exp_avg") for _, s, _ in cases], [moment(s, "exp_avg_sq") for _, s, _ in cases],
+            [moment(s, "max_exp_avg_sq") for _, s, _ in cases], [s["step"] for _, s, _ in cases],
+            [s[MASTER_KEY[mw]] for _, s, mw in cases], [0, 0, 0], [1e-3], [None], [0.9], [0.999], [1e-8], [0.01], [1],
+            torch.tensor([0.0, 0.0, 1.0, 0.0]), None, None, 77, scales)
     torch.library.opcheck(torch.ops.ampfused.adamw_update.default, args, test_utils=test_utils)
