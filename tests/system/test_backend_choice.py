@@ -56,25 +56,22 @@ def test_cpu_tensors_on_reference_do_not_warn(monkeypatch):
 
 
 def test_install_hints_are_quoted_and_numpy_is_named(monkeypatch):
-    import builtins
+    import importlib
 
-    real_import = builtins.__import__
+    real_import_module = importlib.import_module
 
-    def no_numpy(name, *args, **kwargs):
-        if name == "triton":
-            raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
-        return real_import(name, *args, **kwargs)
+    def failing_triton(error_name):
+        def import_module(name, *args, **kwargs):
+            if name == "triton":  # the probe imports triton by name, even when it is already loaded
+                raise ModuleNotFoundError(f"No module named '{error_name}'", name=error_name)
+            return real_import_module(name, *args, **kwargs)
+        return import_module
 
-    monkeypatch.setattr(builtins, "__import__", no_numpy)
+    monkeypatch.setattr(importlib, "import_module", failing_triton("numpy"))
     module, reason = _backends._probe_triton()
     assert module is None and "Triton needs numpy" in reason and "pip install numpy" in reason
 
-    def no_triton(name, *args, **kwargs):
-        if name == "triton":
-            raise ModuleNotFoundError("No module named 'triton'", name="triton")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_triton)
+    monkeypatch.setattr(importlib, "import_module", failing_triton("triton"))
     module, reason = _backends._probe_triton()
     assert module is None and reason.endswith('`pip install "triton>=3.6"`')
 
