@@ -164,7 +164,11 @@ AMPFUSED_HD uint32_t unit_code(float y) {
   constexpr int kDrop = 23 - MANT;
   const uint32_t u = abs_bits(y);
   const uint32_t normal = ((u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u)) >> kDrop) - (112u << MANT);
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(rintf(compact::float_of(u) * static_cast<float>(1 << (14 + MANT)))));
+  // below 2^-14, k = RNE(|y| 2^(14 + MANT)): adding 2^(9 - MANT), whose ulp is the grid step
+  // 2^(-14 - MANT), rounds |y| to the grid (RNE) and leaves the count in the low mantissa bits
+  // (every |y| < 2^-14 checked against rintf for both grids)
+  constexpr float kShift = static_cast<float>(1 << 9) / static_cast<float>(1 << MANT);
+  const uint32_t sub = compact::bits_of(compact::float_of(u) + kShift) - compact::bits_of(kShift);
   uint32_t k = u >= 0x38800000u ? normal : sub;  // |y| >= 2^-14: RNE of the fp32 bits to MANT mantissa bits
   k = k > static_cast<uint32_t>(ONE) ? static_cast<uint32_t>(ONE) : k;
   return u >= 0x7F800000u ? 0u : k;
