@@ -164,25 +164,29 @@ AMPFUSED_HD uint32_t unit_code(float y) {
   constexpr int kDrop = 23 - MANT;
   const uint32_t u = abs_bits(y);
   const uint32_t normal = ((u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u)) >> kDrop) - (112u << MANT);
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(rintf(compact::float_of(u) * static_cast<float>(1 << (14 + MANT)))));
+  // below 2^-14, k = RNE(|y| 2^(14 + MANT)): adding 2^(9 - MANT), whose ulp is the grid step
+  // 2^(-14 - MANT), rounds |y| to the grid (RNE) and leaves the count in the low mantissa bits
+  // (every |y| < 2^-14 checked against rintf for both grids)
+  constexpr float kShift = static_cast<float>(1 << 9) / static_cast<float>(1 << MANT);
+  const uint32_t sub = compact::bits_of(compact::float_of(u) + kShift) - compact::bits_of(kShift);
   uint32_t k = u >= 0x38800000u ? normal : sub;  // |y| >= 2^-14: RNE of the fp32 bits to MANT mantissa bits
   k = k > static_cast<uint32_t>(ONE) ? static_cast<uint32_t>(ONE) : k;
   return u >= 0x7F800000u ? 0u : k;
 }
 
-// The grid value of code k as one product: (2^MANT [f > 0] + t) 2^(max(f, 1) - 15 - MANT), both
-// factors exact (an unconditional multiply: GCC keeps a float operation under a condition as a
-// branch, and the loop would not vectorize).
+// The grid value of code k from its bits: for f >= 1 the code shifted into an fp32 mantissa and
+// exponent (rebiased by 112) is the value; for f = 0 the same bits with the exponent of f = 1 are
+// 2^-14 + t 2^(-14 - MANT), and subtracting 2^-14 leaves t 2^(-14 - MANT), exactly (Sterbenz). No
+// subnormal is read (DAZ-safe), and the subtraction is unconditional (a float operation under a
+// condition stays a branch and the loop would not vectorize): 0 for f >= 1.
 template <int MANT>
 AMPFUSED_HD float unit_value(uint32_t k) {
-  const uint32_t f = k >> MANT, t = k & ((1u << MANT) - 1u);
-  const uint32_t mant = t | (f != 0 ? 1u << MANT : 0u);
-  const uint32_t e = (f != 0 ? f : 1u) + 112u - MANT;  // biased exponent of 2^(max(f, 1) - 15 - MANT)
-  return static_cast<float>(static_cast<int32_t>(mant)) * compact::float_of(e << 23);
+  const bool sub = k < (1u << MANT);
+  const uint32_t bits = (k << (23 - MANT)) + ((sub ? 113u : 112u) << 23);
+  return compact::float_of(bits) - (sub ? 6.103515625e-05f : 0.0f);  // 2^-14
 }
 
-AMPFUSED_HD int8_t encode_signed(float m, float scale) {
-  const float y = m / scale;
+AMPFUSED_HD int8_t signed_code(float y) {
   const uint32_t k = unit_code<compact::kSignedMant, compact::kSignedOne>(y);
   return static_cast<int8_t>(compact::bits_of(y) >> 31 ? 0u - k : k);
 }
@@ -194,13 +198,19 @@ AMPFUSED_HD float decode_signed(int8_t code, float scale) {
 }
 
 // exp_avg_sq / max_exp_avg_sq: the code of root = sqrt(v), and v back from a code
-AMPFUSED_HD uint8_t encode_sqrt(float root, float scale) {
-  return static_cast<uint8_t>(unit_code<compact::kSqrtMant, compact::kSqrtOne>(root / scale));
+AMPFUSED_HD uint8_t sqrt_code(float y) {
+  return static_cast<uint8_t>(unit_code<compact::kSqrtMant, compact::kSqrtOne>(y));
 }
 
 AMPFUSED_HD float decode_sqrt(uint8_t code, float scale) {
   const float r = unit_value<compact::kSqrtMant>(code) * scale;
   return r * r;
+}
+
+// The codes of one block's new moments: one loop per moment (each vectorizes on its own).
+template <typename C, C (*CODE)(float)>
+void encode_block(C* __restrict out, const float* __restrict x, int64_t len, float scale) {
+  for (int64_t j = 0; j < len; ++j) out[j] = CODE(x[j] / scale);
 }
 
 template <bool AMSGRAD>
@@ -232,11 +242,9 @@ void step_int8(float* __restrict w, const float* __restrict g, const UpdateRange
       }
     }
     const float m_new = compact::float_of(m_max), v_new = compact::float_of(v_max), x_new = compact::float_of(x_max);
-    for (int64_t j = 0; j < len; ++j) {
-      mc[b + j] = encode_signed(mb[j], m_new);
-      vc[b + j] = encode_sqrt(vb[j], v_new);
-      if (AMSGRAD) xc[b + j] = encode_sqrt(xb[j], x_new);
-    }
+    encode_block<int8_t, &signed_code>(mc + b, mb, len, m_new);
+    encode_block<uint8_t, &sqrt_code>(vc + b, vb, len, v_new);
+    if (AMSGRAD) encode_block<uint8_t, &sqrt_code>(xc + b, xb, len, x_new);
     m_scale[blk] = m_new;
     v_scale[blk] = v_new;
     if (AMSGRAD) x_scale[blk] = x_new;

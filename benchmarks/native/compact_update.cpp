@@ -1,0 +1,155 @@
+// What the CPU compact update (csrc/cpu/compact_update.h) costs one core when memory is not the
+// limit: the AVX-512 build of the kernels on 16384 elements (L2), ns per element, minimum of many
+// calls, for the fp32-master path and the split8 / int8 modes. Also prints a hash of every output
+// after a fixed number of steps, so a faster loop can be checked bit for bit against the old one.
+//
+//   g++ -O3 -fno-math-errno -ffp-contract=off -I csrc benchmarks/native/compact_update.cpp \
+//       csrc/cpu/kernels_avx512.cpp -o /tmp/compact_update && taskset -c 0 /tmp/compact_update [calls [mode substring]]
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "adamw_math.h"
+#include "cpu/cpu_kernels.h"
+
+using namespace ampfused;
+
+namespace {
+
+constexpr int64_t kN = 16384;
+
+struct Mode {
+  const char* name;
+  int32_t master_kind;  // kMasterF32 with fp32 params means no master
+  int32_t moment_kind;
+  int32_t param_dtype;
+  bool amsgrad;
+};
+
+struct Buffers {
+  std::vector<float> p32, master, grad, scales[3];
+  std::vector<uint16_t> p16;
+  std::vector<int8_t> q;
+  std::vector<float> m32[3];
+  std::vector<uint8_t> codes[3];
+};
+
+uint64_t fnv(const void* data, size_t bytes, uint64_t h) {
+  const unsigned char* c = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ c[i]) * 1099511628211ull;
+  return h;
+}
+
+cpu::UpdateRange make(const Mode& mode, Buffers& b, const AdamWScalars& s) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  b.grad.resize(kN);
+  for (auto& x : b.grad) x = normal(rng) * 1e-2f;
+  cpu::UpdateRange r{};
+  const bool p16 = mode.param_dtype != kF32;
+  if (p16) {
+    b.p16.resize(kN);
+    for (auto& x : b.p16) {  // bf16 or fp16 bits of a small normal weight
+      const float w = normal(rng) * 0.05f;
+      uint32_t u;
+      std::memcpy(&u, &w, 4);
+      x = mode.param_dtype == kBF16 ? static_cast<uint16_t>(u >> 16) : static_cast<uint16_t>(0x2000 + (rng() & 0x1FFF));
+    }
+    r.param = b.p16.data();
+  } else {
+    b.p32.resize(kN);
+    for (auto& x : b.p32) x = normal(rng) * 0.05f;
+    r.param = b.p32.data();
+  }
+  if (mode.master_kind == kMasterSplit8) {
+    b.q.resize(kN);
+    for (auto& x : b.q) x = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    r.master = reinterpret_cast<float*>(b.q.data());
+  } else if (p16) {
+    b.master.resize(kN);
+    for (auto& x : b.master) x = normal(rng) * 0.05f;
+    r.master = b.master.data();
+  }
+  float** moments[3] = {&r.exp_avg, &r.exp_avg_sq, &r.max_exp_avg_sq};
+  float** scales[3] = {&r.exp_avg_scales, &r.exp_avg_sq_scales, &r.max_exp_avg_sq_scales};
+  for (int k = 0; k < (mode.amsgrad ? 3 : 2); ++k) {
+    if (mode.moment_kind == kMomentInt8) {
+      b.codes[k].resize(kN);
+      for (auto& x : b.codes[k]) x = static_cast<uint8_t>(k == 0 ? rng() % 241 - 120 : rng() % 241);
+      b.scales[k].assign(kN / 256, k == 0 ? 1e-3f : 1e-2f);
+      *moments[k] = reinterpret_cast<float*>(b.codes[k].data());
+      *scales[k] = b.scales[k].data();
+    } else {
+      b.m32[k].resize(kN);
+      for (auto& x : b.m32[k]) x = k == 0 ? normal(rng) * 1e-3f : std::fabs(normal(rng)) * 1e-5f;
+      *moments[k] = b.m32[k].data();
+    }
+  }
+  r.grad = b.grad.data();
+  r.numel = kN;
+  r.param_dtype = mode.param_dtype;
+  r.grad_dtype = kF32;
+  r.master_kind = mode.master_kind;
+  r.moment_kind = mode.moment_kind;
+  r.scalars = &s;
+  r.factor = 1.0f;
+  r.begin = 0;
+  r.end = kN;
+  return r;
+}
+
+uint64_t hash(const Mode& mode, const Buffers& b) {
+  uint64_t h = 1469598103934665603ull;
+  h = fnv(b.p32.data(), b.p32.size() * 4, h);
+  h = fnv(b.p16.data(), b.p16.size() * 2, h);
+  h = fnv(b.master.data(), b.master.size() * 4, h);
+  h = fnv(b.q.data(), b.q.size(), h);
+  for (int k = 0; k < 3; ++k) {
+    h = fnv(b.m32[k].data(), b.m32[k].size() * 4, h);
+    h = fnv(b.codes[k].data(), b.codes[k].size(), h);
+    h = fnv(b.scales[k].data(), b.scales[k].size() * 4, h);
+  }
+  (void)mode;
+  return h;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int calls = argc > 1 ? std::atoi(argv[1]) : 2000;
+  const cpu::IsaKernels* k = cpu::kernels_avx512();
+  if (k == nullptr) return 1;
+  const AdamWScalars s = adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10.0f);
+  const Mode modes[] = {
+      {"fp32 master (bf16 param)", kMasterF32, kMomentF32, kBF16, false},
+      {"split8 (bf16)", kMasterSplit8, kMomentF32, kBF16, false},
+      {"split8 (fp16)", kMasterSplit8, kMomentF32, kF16, false},
+      {"int8 moments (fp32 master)", kMasterF32, kMomentInt8, kBF16, false},
+      {"int8 moments + amsgrad", kMasterF32, kMomentInt8, kBF16, true},
+      {"split8 + int8 (bf16)", kMasterSplit8, kMomentInt8, kBF16, false},
+  };
+  for (const Mode& mode : modes) {
+    if (argc > 2 && std::strstr(mode.name, argv[2]) == nullptr) continue;
+    // the bitwise fingerprint: 50 steps from the fixed start
+    Buffers b;
+    cpu::UpdateRange r = make(mode, b, s);
+    const bool fp32_path = mode.master_kind == kMasterF32 && mode.moment_kind == kMomentF32;
+    for (int i = 0; i < 50; ++i) (fp32_path ? k->update : k->compact_update)(r);
+    const uint64_t h = hash(mode, b);
+    double best = 1e30;
+    for (int i = 0; i < calls; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      (fp32_path ? k->update : k->compact_update)(r);
+      const auto t1 = std::chrono::steady_clock::now();
+      const double ns = std::chrono::duration<double, std::nano>(t1 - t0).count();
+      best = ns < best ? ns : best;
+    }
+    std::printf("%-28s %6.3f ns/element  hash %016llx\n", mode.name, best / kN, static_cast<unsigned long long>(h));
+  }
+  return 0;
+}
