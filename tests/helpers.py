@@ -75,3 +75,40 @@ def clone_params(params, dtype=None):
 def random_grads(params, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(p.shape, generator=g) * scale).to(device=p.device) for p in params]
+
+
+# ------------------------------------------------------------------ compact state: (param, grad, state) entries
+
+
+def clone_compact(entry):
+    param, grad, state = entry
+    return param.clone(), grad.clone(), {k: t.clone() for k, t in state.items()}
+
+
+def same_bits(actual, expected, what):
+    """Bitwise equality of two tensors of one dtype and shape, NaN == NaN whatever the payload."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if actual.is_floating_point():
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
+        actual, expected = actual[~nan].view(width), expected[~nan].view(width)
+    bad = (actual != expected).nonzero().flatten()
+    assert bad.numel() == 0, f"{what}: {bad.numel()} of {expected.numel()} differ, first at {bad[:4].tolist()}"
+
+
+def assert_same_state(actual, expected, what=""):
+    a_param, _, a_state = actual
+    e_param, _, e_state = expected
+    same_bits(a_param, e_param, f"{what} param")
+    assert set(a_state) == set(e_state)
+    for key in e_state:
+        same_bits(a_state[key], e_state[key], f"{what} {key}")
+
+
+def decoded_twin(entry):
+    """The same state in the plain layout: fp32 moments and fp32 master (decoded), which the fp32 paths step."""
+    from ampfused import _compact
+
+    param, grad, state = entry
+    return param.clone(), grad.clone(), {k: t.clone() for k, t in _compact.decode_state(state, param).items()}

@@ -12,6 +12,8 @@ import torch
 from ampfused import _backends
 from ampfused import _compact as C
 from ampfused._contract import FACTOR, SKIP, Hyper
+from helpers import assert_same_state, same_bits
+from helpers import clone_compact as clone, decoded_twin as fp32_twin
 from helpers import DEVICE
 
 kernels, _reason = _backends.probe("triton")
@@ -78,37 +80,6 @@ def spec_step(param, grad, state, amsgrad=False, maximize=False, factor=1.0, ski
     C.compact_adamw_step_(param, grad, state, **HYPER, amsgrad=amsgrad, maximize=maximize,
                           factor=torch.tensor(factor, device=DEVICE), skip=torch.tensor(skip, device=DEVICE),
                           stochastic_rounding=stochastic, generator=torch.Generator(DEVICE).manual_seed(1))
-
-
-def clone(entry):
-    param, grad, state = entry
-    return param.clone(), grad.clone(), {k: t.clone() for k, t in state.items()}
-
-
-def same_bits(actual, expected, what):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    if actual.is_floating_point():
-        width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
-        nan = torch.isnan(expected)
-        assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
-        actual, expected = actual[~nan].view(width), expected[~nan].view(width)
-    bad = (actual != expected).nonzero().flatten()
-    assert bad.numel() == 0, f"{what}: {bad.numel()} of {expected.numel()} differ, first at {bad[:4].tolist()}"
-
-
-def assert_same_state(actual, expected, what=""):
-    a_param, _, a_state = actual
-    e_param, _, e_state = expected
-    same_bits(a_param, e_param, f"{what} param")
-    assert set(a_state) == set(e_state)
-    for key in e_state:
-        same_bits(a_state[key], e_state[key], f"{what} {key}")
-
-
-def fp32_twin(entry):
-    """The same step's state in the plain layout: fp32 moments and fp32 master (decoded)."""
-    param, grad, state = entry
-    return param.clone(), grad.clone(), {k: t.clone() for k, t in C.decode_state(state, param).items()}
 
 
 def quantize_sqrt(v):
