@@ -36,6 +36,7 @@ CPU_SOURCES = [
     "cpu/kernels_base.cpp",
     "cpu/kernels_avx2.cpp",
     "cpu/kernels_avx512.cpp",
+    "cpu/kernels_avx512_div.cpp",
 ]
 CUDA_SOURCES = ["cuda/ops_cuda.cpp", "cuda/passes.cu"]
 # The test-only extension (tests/testing_extension.py builds it on demand; never installed).

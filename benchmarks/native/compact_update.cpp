@@ -1,10 +1,12 @@
-// What the CPU compact update (csrc/cpu/compact_update.h) costs one core when memory is not the
-// limit: the AVX-512 build of the kernels on 16384 elements (L2), ns per element, minimum of many
-// calls, for the fp32-master path and the split8 / int8 modes. Also prints a hash of every output
-// after a fixed number of steps, so a faster loop can be checked bit for bit against the old one.
+// What the CPU update (csrc/cpu/compact_update.h, and the fp32-master path) costs one core: an
+// AVX-512 build of the kernels on N elements (default 16384: L2, where memory is not the limit;
+// 4194304 streams from memory), ns per element, minimum of many calls, for every compact mode.
+// Also prints a hash of every output after a fixed number of steps, so a faster loop can be checked
+// bit for bit against the old one.
 //
 //   g++ -O3 -fno-math-errno -ffp-contract=off -I csrc benchmarks/native/compact_update.cpp \
-//       csrc/cpu/kernels_avx512.cpp -o /tmp/compact_update && taskset -c 0 /tmp/compact_update [calls [mode substring]]
+//       csrc/cpu/kernels_avx512.cpp csrc/cpu/kernels_avx512_div.cpp -o /tmp/compact_update
+//   taskset -c 0 /tmp/compact_update [calls [mode substring [N [avx512|avx512-div]]]]
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -21,7 +23,7 @@ using namespace ampfused;
 
 namespace {
 
-constexpr int64_t kN = 16384;
+int64_t kN = 16384;  // elements per call: argv[3] (default: 16384, in L2)
 
 struct Mode {
   const char* name;
@@ -33,7 +35,7 @@ struct Mode {
 
 struct Buffers {
   std::vector<float> p32, master, grad, scales[3];
-  std::vector<uint16_t> p16;
+  std::vector<uint16_t> p16, low16, m16[3];
   std::vector<int8_t> q;
   std::vector<float> m32[3];
   std::vector<uint8_t> codes[3];
@@ -70,6 +72,10 @@ cpu::UpdateRange make(const Mode& mode, Buffers& b, const AdamWScalars& s) {
     b.q.resize(kN);
     for (auto& x : b.q) x = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
     r.master = reinterpret_cast<float*>(b.q.data());
+  } else if (mode.master_kind == kMasterSplit16) {
+    b.low16.resize(kN);
+    for (auto& x : b.low16) x = static_cast<uint16_t>(rng());
+    r.master = reinterpret_cast<float*>(b.low16.data());
   } else if (p16) {
     b.master.resize(kN);
     for (auto& x : b.master) x = normal(rng) * 0.05f;
@@ -84,6 +90,15 @@ cpu::UpdateRange make(const Mode& mode, Buffers& b, const AdamWScalars& s) {
       b.scales[k].assign(kN / 256, k == 0 ? 1e-3f : 1e-2f);
       *moments[k] = reinterpret_cast<float*>(b.codes[k].data());
       *scales[k] = b.scales[k].data();
+    } else if (mode.moment_kind == kMomentBF16) {
+      b.m16[k].resize(kN);
+      for (auto& x : b.m16[k]) {
+        const float f = k == 0 ? normal(rng) * 1e-3f : std::fabs(normal(rng)) * 1e-5f;
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        x = static_cast<uint16_t>(u >> 16);
+      }
+      *moments[k] = reinterpret_cast<float*>(b.m16[k].data());
     } else {
       b.m32[k].resize(kN);
       for (auto& x : b.m32[k]) x = k == 0 ? normal(rng) * 1e-3f : std::fabs(normal(rng)) * 1e-5f;
@@ -109,8 +124,10 @@ uint64_t hash(const Mode& mode, const Buffers& b) {
   h = fnv(b.p16.data(), b.p16.size() * 2, h);
   h = fnv(b.master.data(), b.master.size() * 4, h);
   h = fnv(b.q.data(), b.q.size(), h);
+  h = fnv(b.low16.data(), b.low16.size() * 2, h);
   for (int k = 0; k < 3; ++k) {
     h = fnv(b.m32[k].data(), b.m32[k].size() * 4, h);
+    h = fnv(b.m16[k].data(), b.m16[k].size() * 2, h);
     h = fnv(b.codes[k].data(), b.codes[k].size(), h);
     h = fnv(b.scales[k].data(), b.scales[k].size() * 4, h);
   }
@@ -122,11 +139,14 @@ uint64_t hash(const Mode& mode, const Buffers& b) {
 
 int main(int argc, char** argv) {
   const int calls = argc > 1 ? std::atoi(argv[1]) : 2000;
-  const cpu::IsaKernels* k = cpu::kernels_avx512();
+  if (argc > 3) kN = std::atoll(argv[3]);
+  const cpu::IsaKernels* k = argc > 4 && std::strcmp(argv[4], "avx512-div") == 0 ? cpu::kernels_avx512_div() : cpu::kernels_avx512();
   if (k == nullptr) return 1;
   const AdamWScalars s = adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10.0f);
   const Mode modes[] = {
       {"fp32 master (bf16 param)", kMasterF32, kMomentF32, kBF16, false},
+      {"split16", kMasterSplit16, kMomentF32, kBF16, false},
+      {"bf16 moments (fp32 master)", kMasterF32, kMomentBF16, kBF16, false},
       {"split8 (bf16)", kMasterSplit8, kMomentF32, kBF16, false},
       {"split8 (fp16)", kMasterSplit8, kMomentF32, kF16, false},
       {"int8 moments (fp32 master)", kMasterF32, kMomentInt8, kBF16, false},

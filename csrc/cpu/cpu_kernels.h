@@ -49,6 +49,7 @@ struct IsaKernels {
 const IsaKernels* kernels_base();
 const IsaKernels* kernels_avx2();
 const IsaKernels* kernels_avx512();
+const IsaKernels* kernels_avx512_div();  // the same, dividing on the divider (adamw_math.h)
 
 // The variant used in this process (chosen once).
 const IsaKernels& kernels();

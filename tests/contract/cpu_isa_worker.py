@@ -4,12 +4,14 @@ usage: cpu_isa_worker.py OUT.pt   (the ISA comes from AMPFUSED_CPU_ISA, read whe
 
 Runs accumulate, grad_stats and adamw_update of the cpu backend over every param/grad dtype pair,
 sizes that leave block tails, and inputs with special values (NaN payloads of both signs, inf,
-fp16 subnormals, values that round to inf), and saves every output with the ISA that ran them.
+fp16 subnormals, values that round to inf), then a few optimizer steps in each compact state mode,
+and saves every output with the ISA that ran them.
 """
 import sys
 
 import torch
 
+import ampfused
 from ampfused import _backends, _compiled
 from ampfused._contract import Hyper
 
@@ -72,7 +74,26 @@ def main():
                           masters, [0] * len(SIZES), [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)],
                           torch.tensor([0.0, 0.0, 1.0, 0.0]))
         out[f"write-back-{pd}"] = (masters, params)
+    compact_steps(out, gen)
     torch.save(out, OUT)
+
+
+COMPACT_MODES = (("split16", torch.bfloat16), ("split8", "int8"), (False, torch.bfloat16), ("fp32", "int8"))
+
+
+def compact_steps(out, gen):
+    """Three steps of the optimizer in each compact mode (with AMSGrad once), clipped: params and state."""
+    for master_weights, state_dtype in COMPACT_MODES:
+        for amsgrad in (False, True):
+            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16()) for n in (4099, 8192 + 7)]
+            opt = ampfused.FusedAmpAdamW(params, lr=1e-2, amsgrad=amsgrad, max_grad_norm=1.0, backend="cpu",
+                                         master_weights=master_weights, state_dtype=state_dtype)
+            for _ in range(3):
+                for p in params:
+                    p.grad = (torch.randn(p.shape, generator=gen) * 0.1).bfloat16()
+                opt.step()
+            state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+            out[f"upd-compact-{master_weights}-{state_dtype}-{amsgrad}"] = [p.detach() for p in params] + state
 
 
 main()

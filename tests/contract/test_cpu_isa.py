@@ -1,5 +1,6 @@
-"""The CPU backend's ISA variants (baseline, AVX2 + F16C, AVX-512) give bitwise the same results,
-and the widest one the CPU has is the one dispatched; AMPFUSED_CPU_ISA forces a narrower one.
+"""The CPU backend's ISA variants (baseline, AVX2 + F16C, AVX-512 in two builds) give bitwise the
+same results, and the widest one the CPU has is the one dispatched (on an AMD CPU the AVX-512 build
+that divides on the divider, avx512-div); AMPFUSED_CPU_ISA forces another.
 (The AVX2 and AVX-512 variants agree in everything; the baseline agrees with them in accumulation,
 stats and every fp16/bf16 conversion, and its update rounds where they fuse, see vector_only.)
 
@@ -19,26 +20,28 @@ WORKER = os.path.join(os.path.dirname(__file__), "cpu_isa_worker.py")
 pytestmark = pytest.mark.skipif(_compiled.load()[0] is None, reason="ampfused._C is not built")
 
 
-def cpu_flags():
+def cpuinfo(key):
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].split()
     except OSError:
         pass
-    return set()
+    return []
 
 
-def widest_isa(flags):
+def widest_isa(flags, vendor):
     if {"avx2", "fma", "f16c"} <= flags:
-        return "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else "avx2"
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            return "avx512-div" if vendor == ["AuthenticAMD"] else "avx512"
+        return "avx2"
     return "default"
 
 
-RANK = {"default": 0, "avx2": 1, "avx512": 2}
-FLAGS = cpu_flags()
-WIDEST = widest_isa(FLAGS) if FLAGS else None
+RANK = {"default": 0, "avx2": 1, "avx512": 2, "avx512-div": 2}
+FLAGS = set(cpuinfo("flags"))
+WIDEST = widest_isa(FLAGS, cpuinfo("vendor_id")) if FLAGS else None
 
 
 def environment(isa):
@@ -89,10 +92,10 @@ def vector_only(key):
 def test_widest_isa_is_dispatched_and_every_variant_is_bitwise_equal(tmp_path):
     auto = run_worker(None, tmp_path)
     assert auto["isa"] == WIDEST, f"CPU flags allow {WIDEST}, _C dispatched {auto['isa']}"
-    for isa in ("base", "avx2", "avx512"):
+    for isa in ("base", "avx2", "avx512", "avx512-div"):
         name = "default" if isa == "base" else isa
-        if RANK[name] >= RANK[WIDEST]:
-            continue  # the automatic run is this variant
+        if RANK[name] > RANK[WIDEST] or name == WIDEST:
+            continue  # the CPU lacks it, or the automatic run is this variant
         forced = run_worker(isa, tmp_path)
         assert forced["isa"] == name
         keys = [k for k in auto if k != "isa" and (name != "default" or not vector_only(k))]
@@ -114,4 +117,4 @@ def test_bad_isa_name_fails_the_import_and_says_why(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import ampfused._C"], env=environment("avx3"), capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
-    assert "AMPFUSED_CPU_ISA=avx3: use base, avx2 or avx512" in proc.stderr
+    assert "AMPFUSED_CPU_ISA=avx3: use base, avx2, avx512 or avx512-div" in proc.stderr
