@@ -158,7 +158,8 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         "% of roofline: effective GB/s over the GB/s of an in-place stream a += b moving the same bytes, timed interleaved with the providers",
         "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact; kept B/param: the "
         "same per parameter); peak MiB: "
-        "measured peak above the level before the provider was built (CUDA allocator; on CPU, approximate RSS growth)",
+        "measured peak above the level before the provider was built, through its build and gate steps (not the "
+        "gate's oracle twin; CUDA allocator; on CPU, approximate RSS growth)",
         "",
     ]
     with open(path, "w") as f:
