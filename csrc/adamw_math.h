@@ -139,6 +139,20 @@ AMPFUSED_HD float div_by_constant(float a, float c, float y) {
 }
 #endif
 
+// [note: one body per build] adamw_element's body depends on how its file is built (FMA or two
+// roundings, the divider or div_by_constant), and several CPU ISA files include it; each variant
+// lives in its own inline namespace, so the linker can never merge two builds' copies under one
+// name (it is always inlined today; this keeps that safe if it ever is not).
+#if defined(__CUDACC__)
+#define AMPFUSED_MATH_VARIANT math_cuda
+#elif defined(AMPFUSED_EXACT_DIV_BY_CONSTANT)
+#define AMPFUSED_MATH_VARIANT math_fma_markstein
+#elif defined(__FMA__) || defined(__aarch64__) || defined(AMPFUSED_HAVE_FMA)
+#define AMPFUSED_MATH_VARIANT math_fma_divider
+#else
+#define AMPFUSED_MATH_VARIANT math_two_roundings
+#endif
+inline namespace AMPFUSED_MATH_VARIANT {
 // One element: w (fp32 weight or master), g (unscaled, clipped, maximize-negated grad), moments.
 template <bool AMSGRAD>
 AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vmax, const AdamWScalars& s) {
@@ -163,6 +177,7 @@ AMPFUSED_HD void adamw_element(float& w, float g, float& m, float& v, float& vma
   w = w + (m * s.neg_step_size) / denom;
 #endif
 }
+}  // inline namespace AMPFUSED_MATH_VARIANT
 
 // ------------------------------------------------------------------ the finish of the stats pass
 

@@ -87,7 +87,7 @@ cpu::UpdateRange make(const Mode& mode, Buffers& b, const AdamWScalars& s) {
     if (mode.moment_kind == kMomentInt8) {
       b.codes[k].resize(kN);
       for (auto& x : b.codes[k]) x = static_cast<uint8_t>(k == 0 ? rng() % 241 - 120 : rng() % 241);
-      b.scales[k].assign(kN / 256, k == 0 ? 1e-3f : 1e-2f);
+      b.scales[k].assign((kN + 255) / 256, k == 0 ? 1e-3f : 1e-2f);  // one per started block
       *moments[k] = reinterpret_cast<float*>(b.codes[k].data());
       *scales[k] = b.scales[k].data();
     } else if (mode.moment_kind == kMomentBF16) {
@@ -140,8 +140,10 @@ uint64_t hash(const Mode& mode, const Buffers& b) {
 int main(int argc, char** argv) {
   const int calls = argc > 1 ? std::atoi(argv[1]) : 2000;
   if (argc > 3) kN = std::atoll(argv[3]);
+  if (kN <= 0) return 2;
   const cpu::IsaKernels* k = argc > 4 && std::strcmp(argv[4], "avx512-div") == 0 ? cpu::kernels_avx512_div() : cpu::kernels_avx512();
   if (k == nullptr) return 1;
+  std::printf("build %s, %lld elements\n", k->name, static_cast<long long>(kN));
   const AdamWScalars s = adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10.0f);
   const Mode modes[] = {
       {"fp32 master (bf16 param)", kMasterF32, kMomentF32, kBF16, false},

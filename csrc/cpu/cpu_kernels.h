@@ -1,6 +1,6 @@
 // Interface between the CPU op implementations (ops_cpu.cpp, baseline ISA, ATen threading) and
 // the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, and kernels_isa.h through
-// kernels_avx2.cpp / kernels_avx512.cpp).
+// kernels_avx2.cpp / kernels_avx512.cpp / kernels_avx512_div.cpp, the last dividing on the divider).
 //
 // [note: per-ISA builds] The hot loops are plain C++ loops that the compiler auto-vectorizes
 // (-O3 -fno-math-errno, `#pragma GCC target` per file). The library itself is built for baseline

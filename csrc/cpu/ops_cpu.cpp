@@ -27,8 +27,8 @@ namespace {
 constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
 
 // [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
-// (default|avx2|avx512) as ATen's own kernels are; AVX-512 on an AMD CPU is avx512-div, whose
-// divider is fast enough to divide ([note: division by a constant]). AMPFUSED_CPU_ISA=base|avx2|
+// (default|avx2|avx512) as ATen's own kernels are; AVX-512 on AMD Zen 4 (family 19h) is
+// avx512-div, whose divider is fast enough to divide ([note: division by a constant]). AMPFUSED_CPU_ISA=base|avx2|
 // avx512|avx512-div overrides the choice, for tests and the bench (an AVX-512 machine can run the
 // AVX2 or baseline loops); a variant the CPU lacks is not taken (CPU_ISA says which one runs).
 // Read once, at the first use. Tests that
@@ -66,7 +66,8 @@ const IsaKernels* choose() {
   if (avx512 && kernels_avx512() != nullptr && cap >= 2) {
     const char* ours = std::getenv("AMPFUSED_CPU_ISA");
     const bool forced = ours != nullptr && *ours != '\0';
-    const bool divide = forced ? std::string(ours) == "avx512-div" : __builtin_cpu_is("amd") > 0;
+    // AMD family 19h (Zen 4: Zen 3 has no AVX-512); Zen 5's full-width FMA units are unmeasured
+    const bool divide = forced ? std::string(ours) == "avx512-div" : __builtin_cpu_is("amdfam19h") > 0;
     return divide ? kernels_avx512_div() : kernels_avx512();
   }
   if (avx2 && kernels_avx2() != nullptr && cap >= 1) return kernels_avx2();

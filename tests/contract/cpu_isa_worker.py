@@ -54,9 +54,12 @@ def main():
             for master in ((False, True) if pd != torch.float32 else (False,)):
                 for amsgrad in (False, True):
                     params = [special_values(n, torch.float32, gen).to(pd) for n in SIZES]
-                    grads = [(torch.randn(n, generator=gen) * 3).to(gd) for n in SIZES]
+                    grads = [special_values(n, torch.float32, gen).to(gd) for n in SIZES]  # inf / NaN too
                     m = [torch.randn(n, generator=gen) * 0.1 for n in SIZES]
                     v = [torch.rand(n, generator=gen) * 0.01 for n in SIZES]
+                    for g, x in zip(grads, v):  # sqrt(v) = 0: the division's special case
+                        g[::11] = 0
+                        x[::11] = 0
                     vmax = [x + 0.001 for x in v] if amsgrad else [None] * len(SIZES)
                     steps = [torch.tensor(float(i)) for i in range(len(SIZES))]
                     masters = [special_values(n, torch.float32, gen) for n in SIZES] if master else [None] * len(SIZES)
