@@ -35,6 +35,7 @@ CPU_SOURCES = [
     "cpu/ops_cpu.cpp",
     "cpu/kernels_base.cpp",
     "cpu/kernels_avx2.cpp",
+    "cpu/kernels_avx2_div.cpp",
     "cpu/kernels_avx512.cpp",
     "cpu/kernels_avx512_div.cpp",
 ]
@@ -48,7 +49,12 @@ TESTING_SOURCES = [
 ]
 # [note: no -std] torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
 # -ffp-contract=off: no multiply-add fused that torch does not fuse (csrc/adamw_math.h).
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+# [note: no trapping math] -fno-trapping-math (clang's default) lets GCC compute a float operation
+# that only one side of a select uses, as vector code does: without it GCC keeps such operations
+# (the int8 codecs' grid rounding) under a branch, and the AVX2 build of the int8 loops stayed
+# scalar (7.3 -> 1.7 ns/element). Values are unchanged: no exception flag is read anywhere, and
+# nothing here depends on signaling NaNs (test_cpu_isa holds every build bitwise equal).
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 HOW_TO = "for the compiled kernels run `pip install --no-build-isolation .` in an environment that has torch"
 

@@ -4,9 +4,10 @@
 // Also prints a hash of every output after a fixed number of steps, so a faster loop can be checked
 // bit for bit against the old one.
 //
-//   g++ -O3 -fno-math-errno -ffp-contract=off -I csrc benchmarks/native/compact_update.cpp \
-//       csrc/cpu/kernels_avx512.cpp csrc/cpu/kernels_avx512_div.cpp -o /tmp/compact_update
-//   taskset -c 0 /tmp/compact_update [calls [mode substring [N [avx512|avx512-div]]]]
+//   g++ -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -I csrc benchmarks/native/compact_update.cpp \
+//       csrc/cpu/kernels_avx2.cpp csrc/cpu/kernels_avx2_div.cpp csrc/cpu/kernels_avx512.cpp \
+//       csrc/cpu/kernels_avx512_div.cpp -o /tmp/compact_update   (the extension's flags: csrc/build_extension.py)
+//   taskset -c 0 /tmp/compact_update [calls [mode substring [N [avx512|avx512-div|avx2|avx2-div]]]]
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -141,7 +142,11 @@ int main(int argc, char** argv) {
   const int calls = argc > 1 ? std::atoi(argv[1]) : 2000;
   if (argc > 3) kN = std::atoll(argv[3]);
   if (kN <= 0) return 2;
-  const cpu::IsaKernels* k = argc > 4 && std::strcmp(argv[4], "avx512-div") == 0 ? cpu::kernels_avx512_div() : cpu::kernels_avx512();
+  const char* want = argc > 4 ? argv[4] : "avx512";
+  const cpu::IsaKernels* k = std::strcmp(want, "avx512-div") == 0 ? cpu::kernels_avx512_div()
+                             : std::strcmp(want, "avx2") == 0  ? cpu::kernels_avx2()
+                             : std::strcmp(want, "avx2-div") == 0  ? cpu::kernels_avx2_div()
+                                                               : cpu::kernels_avx512();
   if (k == nullptr) return 1;
   std::printf("build %s, %lld elements\n", k->name, static_cast<long long>(kN));
   const AdamWScalars s = adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10.0f);

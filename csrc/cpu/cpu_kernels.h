@@ -1,6 +1,6 @@
 // Interface between the CPU op implementations (ops_cpu.cpp, baseline ISA, ATen threading) and
 // the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, and kernels_isa.h through
-// kernels_avx2.cpp / kernels_avx512.cpp / kernels_avx512_div.cpp, the last dividing on the divider).
+// kernels_avx2.cpp / kernels_avx512.cpp, and their *_div twins that divide on the divider).
 //
 // [note: per-ISA builds] The hot loops are plain C++ loops that the compiler auto-vectorizes
 // (-O3 -fno-math-errno, `#pragma GCC target` per file). The library itself is built for baseline
@@ -50,6 +50,7 @@ const IsaKernels* kernels_base();
 const IsaKernels* kernels_avx2();
 const IsaKernels* kernels_avx512();
 const IsaKernels* kernels_avx512_div();  // the same, dividing on the divider (adamw_math.h)
+const IsaKernels* kernels_avx2_div();
 
 // The variant used in this process (chosen once).
 const IsaKernels& kernels();

@@ -27,16 +27,16 @@ namespace {
 constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
 
 // [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
-// (default|avx2|avx512) as ATen's own kernels are; AVX-512 on AMD Zen 4 (family 19h) is
-// avx512-div, whose divider is fast enough to divide ([note: division by a constant]). AMPFUSED_CPU_ISA=base|avx2|
-// avx512|avx512-div overrides the choice, for tests and the bench (an AVX-512 machine can run the
-// AVX2 or baseline loops); a variant the CPU lacks is not taken (CPU_ISA says which one runs).
-// Read once, at the first use. Tests that
+// (default|avx2|avx512) as ATen's own kernels are; on AMD family 19h (Zen 3, Zen 4), whose divider
+// is fast, it is the variant's -div twin ([note: division by a constant]). AMPFUSED_CPU_ISA=base|
+// avx2|avx2-div|avx512|avx512-div overrides the choice, for tests and the bench (an AVX-512 machine
+// can run the AVX2 or baseline loops); a variant the CPU lacks is not taken (CPU_ISA says which
+// one runs). Read once, at the first use. Tests that
 // compare with torch bitwise force both (ATEN_CPU_CAPABILITY=default with base): the baseline
 // loops round a*b + c twice, as ATen's default build does, where ATen's AVX2/AVX-512 kernels fuse it.
 int isa_rank(const std::string& name) {
   if (name == "avx512" || name == "avx512-div") return 2;
-  if (name == "avx2") return 1;
+  if (name == "avx2" || name == "avx2-div") return 1;
   if (name == "base" || name == "default") return 0;
   return -1;
 }
@@ -46,7 +46,7 @@ int isa_cap() {
   if (ours != nullptr && *ours != '\0') {
     const int rank = isa_rank(ours);
     if (rank < 0) {
-      throw std::invalid_argument(std::string("AMPFUSED_CPU_ISA=") + ours + ": use base, avx2, avx512 or avx512-div");
+      throw std::invalid_argument(std::string("AMPFUSED_CPU_ISA=") + ours + ": use base, avx2, avx2-div, avx512 or avx512-div");
     }
     return rank;
   }
@@ -63,14 +63,13 @@ const IsaKernels* choose() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && kernels_avx512() != nullptr && cap >= 2) {
-    const char* ours = std::getenv("AMPFUSED_CPU_ISA");
-    const bool forced = ours != nullptr && *ours != '\0';
-    // AMD family 19h (Zen 4: Zen 3 has no AVX-512); Zen 5's full-width FMA units are unmeasured
-    const bool divide = forced ? std::string(ours) == "avx512-div" : __builtin_cpu_is("amdfam19h") > 0;
-    return divide ? kernels_avx512_div() : kernels_avx512();
-  }
-  if (avx2 && kernels_avx2() != nullptr && cap >= 1) return kernels_avx2();
+  // the divider on AMD family 19h (measured on Zen 4, with both builds); Zen 5 is unmeasured
+  const char* ours = std::getenv("AMPFUSED_CPU_ISA");
+  const std::string forced = ours != nullptr ? ours : "";
+  const bool divide = forced.empty() ? __builtin_cpu_is("amdfam19h") > 0
+                                     : forced.size() > 4 && forced.compare(forced.size() - 4, 4, "-div") == 0;
+  if (avx512 && kernels_avx512() != nullptr && cap >= 2) return divide ? kernels_avx512_div() : kernels_avx512();
+  if (avx2 && kernels_avx2() != nullptr && cap >= 1) return divide ? kernels_avx2_div() : kernels_avx2();
 #endif
   return kernels_base();
 }

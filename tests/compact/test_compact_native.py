@@ -56,7 +56,7 @@ def spec_codes(x, kind):
 # ------------------------------------------------------------------ C++ (csrc/compact_math.h)
 
 # The CPU files' flags, and an optimizing build that may contract and vectorize (the encodings must not care).
-SHIM_FLAGS = {"O2-nocontract": ["-O2", "-ffp-contract=off"], "O3-native-contract": ["-O3", "-march=native", "-ffp-contract=fast"]}
+SHIM_FLAGS = {"O2-nocontract": ["-O2", "-fno-trapping-math", "-ffp-contract=off"], "O3-native-contract": ["-O3", "-march=native", "-ffp-contract=fast"]}
 
 
 @pytest.fixture(scope="module", params=list(SHIM_FLAGS))

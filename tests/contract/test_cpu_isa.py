@@ -1,6 +1,6 @@
-"""The CPU backend's ISA variants (baseline, AVX2 + F16C, AVX-512 in two builds) give bitwise the
-same results, and the widest one the CPU has is the one dispatched (on an AMD CPU the AVX-512 build
-that divides on the divider, avx512-div); AMPFUSED_CPU_ISA forces another.
+"""The CPU backend's ISA variants (baseline, AVX2 + F16C, AVX-512, and the two vector ones' -div
+twins that divide on the divider) give bitwise the same results, and the widest one the CPU has is
+the one dispatched (its -div twin on AMD family 19h); AMPFUSED_CPU_ISA forces another.
 (The AVX2 and AVX-512 variants agree in everything; the baseline agrees with them in accumulation,
 stats and every fp16/bf16 conversion, and its update rounds where they fuse, see vector_only.)
 
@@ -31,17 +31,16 @@ def cpuinfo(key):
     return []
 
 
-def widest_isa(flags, vendor):
+def widest_isa(flags, vendor, family):
+    divide = "-div" if vendor == ["AuthenticAMD"] and family == ["25"] else ""  # family 19h
     if {"avx2", "fma", "f16c"} <= flags:
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-            return "avx512-div" if vendor == ["AuthenticAMD"] else "avx512"
-        return "avx2"
+        return ("avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags else "avx2") + divide
     return "default"
 
 
-RANK = {"default": 0, "avx2": 1, "avx512": 2, "avx512-div": 2}
+RANK = {"default": 0, "avx2": 1, "avx2-div": 1, "avx512": 2, "avx512-div": 2}
 FLAGS = set(cpuinfo("flags"))
-WIDEST = widest_isa(FLAGS, cpuinfo("vendor_id")) if FLAGS else None
+WIDEST = widest_isa(FLAGS, cpuinfo("vendor_id"), cpuinfo("cpu family")) if FLAGS else None
 
 
 def environment(isa):
@@ -92,7 +91,7 @@ def vector_only(key):
 def test_widest_isa_is_dispatched_and_every_variant_is_bitwise_equal(tmp_path):
     auto = run_worker(None, tmp_path)
     assert auto["isa"] == WIDEST, f"CPU flags allow {WIDEST}, _C dispatched {auto['isa']}"
-    for isa in ("base", "avx2", "avx512", "avx512-div"):
+    for isa in ("base", "avx2", "avx2-div", "avx512", "avx512-div"):
         name = "default" if isa == "base" else isa
         if RANK[name] > RANK[WIDEST] or name == WIDEST:
             continue  # the CPU lacks it, or the automatic run is this variant
@@ -117,4 +116,4 @@ def test_bad_isa_name_fails_the_import_and_says_why(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import ampfused._C"], env=environment("avx3"), capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0
-    assert "AMPFUSED_CPU_ISA=avx3: use base, avx2, avx512 or avx512-div" in proc.stderr
+    assert "AMPFUSED_CPU_ISA=avx3: use base, avx2, avx2-div, avx512 or avx512-div" in proc.stderr
