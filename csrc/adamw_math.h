@@ -124,9 +124,10 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
 // [note: division by a constant] a / c, correctly rounded, from y = RN(1/c) without the divider,
 // which the CPU update is bound by (two divisions and a sqrt per element) where the divider is
 // slow: Intel's takes 10-16 cycles per 512-bit division. AMD Zen 4's takes ~6 while each of the
-// four FMAs here takes two of its 256-bit slots, so the AVX-512 build for AMD (AMPFUSED_DIVIDER,
-// kernels_avx512_div.cpp) divides: 0.50 -> 0.45 ns/element for the fp32-master update in L1/L2,
-// split16 0.67 -> 0.56 (benchmarks/native/compact_update.cpp). Bitwise the same either way. q0 = RN(a*y) is within
+// four FMAs here takes two of its 256-bit slots, so the builds for AMD family 19h (AMPFUSED_DIVIDER:
+// kernels_avx2_div.cpp, kernels_avx512_div.cpp) divide: AVX-512 0.50 -> 0.45 ns/element for the
+// fp32-master update in L1/L2, split16 0.67 -> 0.56; AVX2 0.74-0.89 -> 0.67-0.69
+// (benchmarks/native/compact_update.cpp). Bitwise the same either way. q0 = RN(a*y) is within
 // 1.5 ulp of a/c; one FMA correction brings it within 1 ulp, and then Markstein's theorem (y within
 // half an ulp of 1/c, q within 1 ulp of a/c, a - c*q exact in an FMA) makes the second correction
 // RN(a/c). It needs a - c*q not to underflow: here a = sqrt(v) >= 2^-74.5 or 0, c in (0, 1]. Zeros, inf

@@ -1,5 +1,5 @@
-// The AVX-512 build of the CPU hot loops for CPUs whose divider is fast (AMD Zen 4; ops_cpu.cpp
-// chooses it): the same loops, dividing by sqrt(1 - beta2^t) on the divider instead of by
+// The AVX-512 build of the CPU hot loops for CPUs whose divider is fast (AMD family 19h: Zen 4;
+// ops_cpu.cpp chooses it): the same loops, dividing by sqrt(1 - beta2^t) on the divider instead of by
 // adamw_math.h's FMA sequence ([note: division by a constant]). Bitwise the same results.
 #include "isa_targets.h"
 #define AMPFUSED_DIVIDER 1
