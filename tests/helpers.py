@@ -106,6 +106,80 @@ def assert_same_state(actual, expected, what=""):
         same_bits(a_state[key], e_state[key], f"{what} {key}")
 
 
+COMPACT_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+MASTER_KEYS = ("master_param", "master_low16", "master_residual8")
+
+
+def compact_hyper(amsgrad=False, maximize=False):
+    from ampfused._contract import Hyper
+
+    h = COMPACT_HYPER
+    return Hyper(h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], amsgrad, maximize)
+
+
+def shifted(t, offset):
+    """t copied into a view that starts ``offset`` elements into its storage (0: t itself)."""
+    if offset == 0:
+        return t
+    storage = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    view = storage[offset:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def compact_entry(n, param_dtype, master_weights, state_dtype, device, amsgrad=False, seed=0, offset=0):
+    """(param, grad, compact state) on ``device`` with non-trivial moments and master; ``offset`` > 0
+    makes every tensor a view that starts ``offset`` elements into its storage (no vector access)."""
+    from ampfused import _compact
+
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    fp32_state = {"step": torch.tensor(float(seed % 5 + 2)), "exp_avg": torch.randn(n, generator=gen) * 0.1,
+                  "exp_avg_sq": torch.rand(n, generator=gen) * 0.01, "master_param": master}
+    if amsgrad:
+        fp32_state["max_exp_avg_sq"] = fp32_state["exp_avg_sq"] + torch.rand(n, generator=gen) * 0.01
+    param = shifted(master.to(param_dtype).to(device), offset)
+    grad = shifted(torch.randn(n, generator=gen).to(device), offset)
+    state = _compact.encode_state(param, {k: t.to(device) for k, t in fp32_state.items()}, master_weights, state_dtype)
+    state = {k: t if t.dim() == 0 or k.endswith("_scales") else shifted(t, offset) for k, t in state.items()}
+    return param, grad, state
+
+
+def update_lists(entries):
+    """The backend update's per-tensor lists from [(param, grad, compact state)]."""
+    out = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], steps=[], masters=[], moment_scales=[])
+    for param, grad, state in entries:
+        out["params"].append(param)
+        out["grads"].append(grad)
+        out["steps"].append(state["step"])
+        out["masters"].append(next((state[k] for k in MASTER_KEYS if k in state), None))
+        if "exp_avg_codes" in state:
+            out["exp_avgs"].append(state["exp_avg_codes"])
+            out["exp_avg_sqs"].append(state["exp_avg_sq_codes"])
+            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq_codes"))
+            out["moment_scales"].append((state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales")))
+        else:
+            out["exp_avgs"].append(state["exp_avg"])
+            out["exp_avg_sqs"].append(state["exp_avg_sq"])
+            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq"))
+            out["moment_scales"].append(None)
+    return out
+
+
+def compact_update(backend, entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None,
+                   rounding_seed=None):
+    """One ``backend.adamw_update_`` of ``entries`` (one group, COMPACT_HYPER), the stats slots set."""
+    from ampfused._contract import FACTOR, SKIP
+
+    lists = update_lists(entries)
+    stats = torch.zeros(4, device=entries[0][0].device)
+    stats[FACTOR], stats[SKIP] = factor, skip
+    backend.adamw_update_(
+        lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"],
+        lists["masters"], [0] * len(entries), [compact_hyper(amsgrad, maximize)], stats, grad_scale=grad_scale,
+        moment_scales=lists["moment_scales"], rounding_seed=rounding_seed)
+
+
 def decoded_twin(entry):
     """The same state in the plain layout: fp32 moments and fp32 master (decoded), which the fp32 paths step."""
     from ampfused import _compact

@@ -17,9 +17,9 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused import _compiled, functional, reference
-from ampfused._contract import FACTOR, SKIP, Hyper
 from helpers import assert_same_state, same_bits
 from helpers import clone_compact as clone, decoded_twin as fp32_twin
+from helpers import COMPACT_HYPER, MASTER_KEYS, compact_entry, compact_hyper, compact_update, update_lists
 
 if not torch.cuda.is_available():
     BACKEND, WHY = None, "needs a CUDA GPU; this machine has none"
@@ -30,69 +30,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason=f"CUDA
 DEVICE = "cuda"
 N = 70_001  # two 65536-element chunks, a ragged tail (not a multiple of 4 or of an int8 block)
 SMALL = C.SMALL_TENSOR_NUMEL - 1  # int8 mode keeps fp32 moments below the threshold
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-MASTER_KEYS = ("master_param", "master_low16", "master_residual8")
-
-
-def hyper(amsgrad=False, maximize=False):
-    return Hyper(HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], amsgrad, maximize)
+HYPER = COMPACT_HYPER
+hyper, lists_of = compact_hyper, update_lists
 
 
 def make(n, param_dtype, master_weights, state_dtype, amsgrad=False, seed=0, offset=0):
-    """(param, grad, compact state) with non-trivial moments and master; ``offset`` > 0 makes every
-    tensor a view that starts `offset` elements into its storage (no vector access)."""
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen)
-    fp32_state = {"step": torch.tensor(float(seed % 5 + 2)), "exp_avg": torch.randn(n, generator=gen) * 0.1,
-                  "exp_avg_sq": torch.rand(n, generator=gen) * 0.01, "master_param": master}
-    if amsgrad:
-        fp32_state["max_exp_avg_sq"] = fp32_state["exp_avg_sq"] + torch.rand(n, generator=gen) * 0.01
-    param = shifted(master.to(param_dtype).to(DEVICE), offset)
-    grad = shifted(torch.randn(n, generator=gen).to(DEVICE), offset)
-    state = C.encode_state(param, {k: t.to(DEVICE) for k, t in fp32_state.items()}, master_weights, state_dtype)
-    state = {k: t if t.dim() == 0 or k.endswith("_scales") else shifted(t, offset) for k, t in state.items()}
-    return param, grad, state
-
-
-def shifted(t, offset):
-    if offset == 0:
-        return t
-    storage = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
-    view = storage[offset:].view(t.shape)
-    view.copy_(t)
-    return view
-
-
-def lists_of(entries):
-    out = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], steps=[], masters=[], moment_scales=[])
-    for param, grad, state in entries:
-        out["params"].append(param)
-        out["grads"].append(grad)
-        out["steps"].append(state["step"])
-        out["masters"].append(next((state[k] for k in MASTER_KEYS if k in state), None))
-        if "exp_avg_codes" in state:
-            out["exp_avgs"].append(state["exp_avg_codes"])
-            out["exp_avg_sqs"].append(state["exp_avg_sq_codes"])
-            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq_codes"))
-            out["moment_scales"].append((state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales")))
-        else:
-            out["exp_avgs"].append(state["exp_avg"])
-            out["exp_avg_sqs"].append(state["exp_avg_sq"])
-            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq"))
-            out["moment_scales"].append(None)
-    return out
+    return compact_entry(n, param_dtype, master_weights, state_dtype, DEVICE, amsgrad, seed, offset)
 
 
 def cuda_step(entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None, rounding_seed=None,
               backend=None):
-    lists = lists_of(entries)
-    device = entries[0][0].device
-    stats = torch.zeros(4, device=device)
-    stats[FACTOR], stats[SKIP] = factor, skip
-    (backend or BACKEND).adamw_update_(
-        lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"],
-        lists["masters"], [0] * len(entries), [hyper(amsgrad, maximize)], stats, grad_scale=grad_scale,
-        moment_scales=lists["moment_scales"], rounding_seed=rounding_seed)
+    compact_update(backend or BACKEND, entries, amsgrad, maximize, factor, skip, grad_scale, rounding_seed)
 
 
 def spec_step(param, grad, state, amsgrad=False, maximize=False, factor=1.0):

@@ -11,10 +11,10 @@ import torch
 
 from ampfused import _backends
 from ampfused import _compact as C
-from ampfused._contract import FACTOR, SKIP, Hyper
 from helpers import assert_same_state, same_bits
 from helpers import clone_compact as clone, decoded_twin as fp32_twin
 from helpers import DEVICE
+from helpers import COMPACT_HYPER, compact_entry, compact_hyper, compact_update, update_lists
 
 kernels, _reason = _backends.probe("triton")
 if kernels is None or kernels.supports(DEVICE):
@@ -25,55 +25,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 # A tail block, a second chunk in the interpreter (CHUNK 1024), and more than one int8 scale block.
 N = 1300
 LARGE = C.SMALL_TENSOR_NUMEL + 300  # int8 moments need SMALL_TENSOR_NUMEL elements
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-
-
-def hyper(amsgrad=False, maximize=False):
-    return Hyper(HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], amsgrad, maximize)
+HYPER = COMPACT_HYPER
+hyper, lists_of = compact_hyper, update_lists
 
 
 def make(n, param_dtype, master_weights, state_dtype, amsgrad=False, seed=0):
     """(param, grad, compact state) with non-trivial moments and master, on DEVICE."""
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen)
-    fp32_state = {"step": torch.tensor(float(seed % 5 + 2)), "exp_avg": torch.randn(n, generator=gen) * 0.1,
-                  "exp_avg_sq": torch.rand(n, generator=gen) * 0.01, "master_param": master}
-    if amsgrad:
-        fp32_state["max_exp_avg_sq"] = fp32_state["exp_avg_sq"] + torch.rand(n, generator=gen) * 0.01
-    param = master.to(param_dtype).to(DEVICE)
-    grad = torch.randn(n, generator=gen).to(DEVICE)
-    state = C.encode_state(param, {k: t.to(DEVICE) for k, t in fp32_state.items()}, master_weights, state_dtype)
-    return param, grad, state
-
-
-def lists_of(entries):
-    """The wrapper's per-tensor lists from [(param, grad, state)]."""
-    out = dict(params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], max_exp_avg_sqs=[], steps=[], masters=[], moment_scales=[])
-    for param, grad, state in entries:
-        out["params"].append(param)
-        out["grads"].append(grad)
-        out["steps"].append(state["step"])
-        out["masters"].append(next((state[k] for k in ("master_param", "master_low16", "master_residual8") if k in state), None))
-        if "exp_avg_codes" in state:
-            out["exp_avgs"].append(state["exp_avg_codes"])
-            out["exp_avg_sqs"].append(state["exp_avg_sq_codes"])
-            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq_codes"))
-            out["moment_scales"].append((state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales")))
-        else:
-            out["exp_avgs"].append(state["exp_avg"])
-            out["exp_avg_sqs"].append(state["exp_avg_sq"])
-            out["max_exp_avg_sqs"].append(state.get("max_exp_avg_sq"))
-            out["moment_scales"].append(None)
-    return out
+    return compact_entry(n, param_dtype, master_weights, state_dtype, DEVICE, amsgrad, seed)
 
 
 def triton_step(entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None, rounding_seed=None):
-    lists = lists_of(entries)
-    stats = torch.zeros(4, device=DEVICE)
-    stats[FACTOR], stats[SKIP] = factor, skip
-    kernels.adamw_update_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"],
-                          lists["steps"], lists["masters"], [0] * len(entries), [hyper(amsgrad, maximize)], stats,
-                          grad_scale=grad_scale, moment_scales=lists["moment_scales"], rounding_seed=rounding_seed)
+    compact_update(kernels, entries, amsgrad, maximize, factor, skip, grad_scale, rounding_seed)
 
 
 def spec_step(param, grad, state, amsgrad=False, maximize=False, factor=1.0, skip=0.0, stochastic=False):
