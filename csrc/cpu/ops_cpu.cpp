@@ -31,9 +31,9 @@ constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to am
 // is fast, it is the variant's -div twin ([note: division by a constant]). AMPFUSED_CPU_ISA=base|
 // avx2|avx2-div|avx512|avx512-div overrides the choice, for tests and the bench (an AVX-512 machine
 // can run the AVX2 or baseline loops); a variant the CPU lacks is not taken (CPU_ISA says which
-// one runs). Read once, at the first use. Tests that
-// compare with torch bitwise force both (ATEN_CPU_CAPABILITY=default with base): the baseline
-// loops round a*b + c twice, as ATen's default build does, where ATen's AVX2/AVX-512 kernels fuse it.
+// one runs). Read once, at the first use. Tests that compare with torch bitwise force both
+// (ATEN_CPU_CAPABILITY=default with base): the baseline loops round a*b + c twice, as ATen's
+// default build does, where ATen's AVX2/AVX-512 kernels fuse it.
 int isa_rank(const std::string& name) {
   if (name == "avx512" || name == "avx512-div") return 2;
   if (name == "avx2" || name == "avx2-div") return 1;
@@ -41,35 +41,39 @@ int isa_rank(const std::string& name) {
   return -1;
 }
 
-int isa_cap() {
+struct IsaRequest {
+  int cap;             // the widest rank allowed
+  std::string forced;  // AMPFUSED_CPU_ISA, "" where unset
+};
+
+IsaRequest isa_request() {
   const char* ours = std::getenv("AMPFUSED_CPU_ISA");
   if (ours != nullptr && *ours != '\0') {
     const int rank = isa_rank(ours);
     if (rank < 0) {
       throw std::invalid_argument(std::string("AMPFUSED_CPU_ISA=") + ours + ": use base, avx2, avx2-div, avx512 or avx512-div");
     }
-    return rank;
+    return {rank, ours};
   }
   const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
-  if (aten == nullptr || *aten == '\0') return 2;
+  if (aten == nullptr || *aten == '\0') return {2, ""};
   const int rank = isa_rank(aten);
-  return rank < 0 ? 0 : rank;
+  return {rank < 0 ? 0 : rank, ""};
 }
 
 const IsaKernels* choose() {
-  const int cap = isa_cap();
+  const IsaRequest req = isa_request();
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   // the divider on AMD family 19h (measured on Zen 4, with both builds); Zen 5 is unmeasured
-  const char* ours = std::getenv("AMPFUSED_CPU_ISA");
-  const std::string forced = ours != nullptr ? ours : "";
+  const std::string& forced = req.forced;
   const bool divide = forced.empty() ? __builtin_cpu_is("amdfam19h") > 0
                                      : forced.size() > 4 && forced.compare(forced.size() - 4, 4, "-div") == 0;
-  if (avx512 && kernels_avx512() != nullptr && cap >= 2) return divide ? kernels_avx512_div() : kernels_avx512();
-  if (avx2 && kernels_avx2() != nullptr && cap >= 1) return divide ? kernels_avx2_div() : kernels_avx2();
+  if (avx512 && kernels_avx512() != nullptr && req.cap >= 2) return divide ? kernels_avx512_div() : kernels_avx512();
+  if (avx2 && kernels_avx2() != nullptr && req.cap >= 1) return divide ? kernels_avx2_div() : kernels_avx2();
 #endif
   return kernels_base();
 }
