@@ -75,7 +75,7 @@ class Case:
     bad_step: int | None = None  # an inf in one gradient element at this step: the step is skipped
     micro_batches: int = 1
     tensor_lr: bool = False  # lr as a tensor, scaled in place after each step as a scheduler would
-    graph: bool = False  # static grads; on CUDA, steps after the first replay one captured CUDA graph
+    graph: bool = False  # static grads; steps after the first replay one captured CUDA graph (GRAPH_BACKENDS on CUDA)
 
 
 CASES = (
@@ -101,6 +101,12 @@ CASES = (
     Case("cuda-graph", MIXED, dict(fp32_grad_accumulation=False, amsgrad=True, max_grad_norm=0.5), steps=4,
          bad_step=2, graph=True),
 )
+
+GRAPH_BACKENDS = ("cuda", "triton")  # those the test suite captures (tests/contract/test_gpu.py); reference is eager
+
+
+def applies(case: Case, backend: str, device: torch.device) -> bool:
+    return not case.graph or (device.type == "cuda" and backend in GRAPH_BACKENDS)
 
 
 def targets(case: Case, step: int, micro: int) -> list[Tensor]:
@@ -143,7 +149,7 @@ class Run:
             self.opt = FusedAmpAdamW(self.params, backend=backend, **options)
         self.scaler = GradScaler(device.type, **case.scaler) if case.scaler else None
         self.static = None  # the graph case's gradients, written in place
-        self.capture = case.graph and device.type == "cuda"
+        self.capture = case.graph and applies(case, backend, device)  # the oracle steps the same grads eagerly
         self.graph = None
 
     def step(self, k: int) -> None:
@@ -152,14 +158,15 @@ class Run:
 
     def _step(self, k: int) -> None:
         case, opt = self.case, self.opt
-        opt.zero_grad()
-        if case.graph:
+        if case.graph:  # the same grad tensors at every step, as a captured graph reads them
             if self.static is None:
                 self.static = [torch.zeros_like(p) for p in self.params]
-            for p, s, t in zip(self.params, self.static, targets(case, k, 0)):
+                for p, s in zip(self.params, self.static):
+                    p.grad = s
+            for s, t in zip(self.static, targets(case, k, 0)):
                 s.copy_(t)
-                p.grad = s
         else:
+            opt.zero_grad()
             for micro in range(case.micro_batches):
                 loss = sum((p.float() * t.to(self.device)).sum() for p, t in zip(self.params, targets(case, k, micro)))
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -394,13 +401,14 @@ def run_check(names: list[str] | None = None, device: str | None = None, out=Non
         for name, dev in found:
             oracle_device = torch.device("cpu") if name == "reference" else dev
             for case in CASES:
-                if case.graph and dev.type != "cuda":
-                    continue  # a CUDA graph needs CUDA
+                if not applies(case, name, dev):
+                    continue
                 key = (case.name, oracle_device)
-                if key not in oracles:
-                    oracles[key] = oracle_trajectory(case, oracle_device)
                 t0 = time.perf_counter()
                 try:
+                    if key not in oracles:
+                        oracles[key] = oracle_trajectory(case, oracle_device)
+                        t0 = time.perf_counter()
                     worst, bad = check_case(case, name, dev, oracles[key])
                 except Exception as exc:  # a crash is a failure of this row, not of the check
                     worst, bad = math.inf, [f"raised {type(exc).__name__}: {exc}"]
