@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ampfused check",
         description="Run every backend available on this machine against the reference backend on small "
-                    "synthetic problems; exit status 1 on any failure.")
+                    "synthetic problems; exit status 1 on any failure. Triton serves CPU tensors only with "
+                    "TRITON_INTERPRET=1 set in the environment.")
     parser.add_argument("--backend", action="append", choices=_backends.BACKEND_NAMES, metavar="NAME",
                         help=f"check only this backend (repeatable; one of {', '.join(_backends.BACKEND_NAMES)})")
     parser.add_argument("--device", choices=("cpu", "cuda"),

@@ -124,3 +124,11 @@ def test_bad_backend_name_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         ampfused_main(["check", "--backend", "nope"])
     assert exit_info.value.code == 2 and "argument --backend: invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_help_names_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ampfused_main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: python -m ampfused check ")
+    assert "--backend NAME" in out and "--device {cpu,cuda}" in out
