@@ -273,6 +273,10 @@ def violation(got: Tensor, want: Tensor, kind: str, allowance) -> tuple[float, i
     return (math.inf if kind == "bits" and first.numel() else worst), (int(first[0]) if first.numel() else None)
 
 
+def _index(flat: int, shape) -> tuple:
+    return tuple(int(x) for x in torch.unravel_index(torch.tensor(flat), shape))
+
+
 def _name(key: str, i) -> str:
     if i is None:
         return "grad_norm" if key == "grad_norm" else f"scaler {key.lstrip('_')}"
@@ -309,7 +313,7 @@ def compare(got: dict, want: dict, backend: str, skipped: bool) -> tuple[float, 
         err, first = violation(g, w, kind, allowance)
         worst = max(worst, err)
         if first is not None:
-            at = f" at index {tuple(int(x) for x in torch.unravel_index(torch.tensor(first), w.shape))}" if w.dim() else ""
+            at = f" at index {_index(first, w.shape)}" if w.dim() else ""
             got_v, want_v = g.reshape(-1)[first].item(), w.reshape(-1)[first].item()
             how = _describe(kind, allowance) + (" across a skipped step" if skipped else "")
             if kind != "bits":
@@ -327,8 +331,7 @@ def rounding_failures(snap: dict) -> list[str]:
             want = master.to(param.dtype)
             _, first = violation(param, want, "bits", None)
             if first is not None:
-                index = tuple(int(x) for x in torch.unravel_index(torch.tensor(first), param.shape))
-                failures.append(f"param {i} at index {index}: got {param.reshape(-1)[first].item()!r}, expected "
+                failures.append(f"param {i} at index {_index(first, param.shape)}: got {param.reshape(-1)[first].item()!r}, expected "
                                 f"{want.reshape(-1)[first].item()!r}, the rounding of its master {key!r} (bitwise)")
     return failures
 
