@@ -1,4 +1,4 @@
-"""`python -m ampfused info|bench|bench train`: the backends found, and the benchmarks."""
+"""`python -m ampfused info|check|bench|bench train`: the backends found, their check, and the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,8 @@ import warnings
 
 COMMANDS = """commands:
   info          list the backends found and why any is missing
+  check         run every available backend against the reference on small problems on this
+                device; exit status 1 on any failure (python -m ampfused check --help)
   bench         benchmark the optimizer step against the stock torch.amp path
                 (python -m ampfused bench --help for its options)
   bench train   end-to-end training benchmark with convergence parity
@@ -38,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and GradScaler for PyTorch", epilog=COMMANDS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,bench train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench,bench train}")
     sub.add_parser("info", help="list the backends found and why any is missing")
+    sub.add_parser("check", help="every available backend against the reference (see below)", add_help=False)
     # bench parses its own arguments (and `bench train` its own), --help included
     sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
     return parser
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"info takes no arguments: {' '.join(rest)}")
         return info()
+    if args.command == "check":  # parses its own arguments, --help included
+        from . import check
+
+        return check.main(rest)
     from .bench import bench
 
     return bench.main(rest)

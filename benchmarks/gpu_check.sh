@@ -13,14 +13,17 @@
 # Stages, by value, each under its own timeout (seconds; they sum to 450):
 #   setup 15 (setuptools >= 77 for the pyproject license field, versions, nvidia-smi)
 #   build 150 (AMPFUSED_BUILD_CUDA=1: a CPU-only build fails loudly; build log kept) | info 10
-#   gpu_tests 75 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr and compact state,
+#   check 30 (python -m ampfused check: every backend against the reference on this device, before
+#     the tests, so that no later stage's timeout can cost it; it compiles the Triton kernels that
+#     gpu_tests and host then find in Triton's cache)
+#   gpu_tests 60 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr and compact state,
 #     launches, kernels at size)
 #   compact 35 (the CUDA kernel's compact modes against the specification and the reference:
 #     tests/compact/test_cuda_compact.py, its own stage so that a timeout of either keeps the other)
 #   bench 65 (fp32 and bf16 steps at 124M and 1B vs stock fused + clip_grad_norm_, copy roofline)
 #   memory 65 (the memory sweep: every compact mode's ms/step and kept B/param, measured, at the GPU
 #     plan's 124M GPT-2-like shapes and 1B, against stock fused and ampfused fp32 masters)
-#   host 35 (host time and launches per step at 148, 291 and 2000 tensors)
+#   host 20 (host time and launches per step at 148, 291 and 2000 tensors)
 # Without a GPU the CUDA stages fail at once with a clear message (no hang); the host stage runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,9 +99,10 @@ stage setup 15 "$ROOT" bash -c setup || { echo "setup failed: see summary" | tee
 stage build 150 "$ROOT" pip install -v --no-build-isolation --no-deps .
 build_rc=$?
 stage info 10 "$elsewhere" python -m ampfused info
+stage check 30 "$elsewhere" python -m ampfused check
 if [ "$DRY" = 0 ] && ! python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "no CUDA GPU here: the CUDA stages are skipped (they would only report that)" | tee -a "$summary"
-    stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291 --repeats 5 --out "$WORK/host.csv"
+    stage host 20 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291 --repeats 5 --out "$WORK/host.csv"
     echo "total: $((SECONDS - START))s, budget ${TOTAL}s" | tee -a "$summary"
     pack
     exit 0
@@ -107,13 +111,13 @@ if [ "$build_rc" != 0 ]; then
     echo "build failed (rc=$build_rc): the tests would run a stale or CPU-only ampfused; see build.log" | tee -a "$summary"
 fi
 # (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree)
-stage gpu_tests 75 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --deselect tests/compact/test_cuda_compact.py \
+stage gpu_tests 60 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --deselect tests/compact/test_cuda_compact.py \
     --junitxml="$WORK/gpu_tests.xml"
 stage compact 35 "$ROOT" pytest tests/compact/test_cuda_compact.py -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
 stage bench 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
 # (the GPU plan's memory cases: its 124M gpt2-like shapes and the largest --sizes, 1B)
 stage memory 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --sizes 1B --gate-steps 1 --out "$WORK/memory"
-stage host 35 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291,2000 --repeats 10 --out "$WORK/host.csv"
+stage host 20 "$elsewhere" python "$ROOT/benchmarks/gpu_host_check.py" --tensors 148,291,2000 --repeats 10 --out "$WORK/host.csv"
 echo "total: $((SECONDS - START))s, budget ${TOTAL}s of stage timeouts" | tee -a "$summary"
 pack
 exit 0

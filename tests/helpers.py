@@ -2,6 +2,7 @@
 import torch
 
 from ampfused import _backends
+from ampfused.check import KERNEL_TOLERANCE, TOLERANCES  # one table for the tests and `python -m ampfused check`
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -17,10 +18,7 @@ def available_backends(device=DEVICE):
         names.append(name)
     return names
 
-# The reference backend reproduces torch.optim.AdamW's single-tensor CPU path bit for bit; kernel
-# backends fuse the same math in a different order, so they get fp32-rounding tolerances.
-TOLERANCES = {"reference": dict(rtol=1e-6, atol=1e-7)}
-KERNEL_TOLERANCE = dict(rtol=2e-5, atol=2e-6)
+
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
