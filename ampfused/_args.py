@@ -6,6 +6,7 @@ tensor beta is read once, at construction, as torch does).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -22,8 +23,30 @@ WIDE_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 PARAM_DTYPES = KERNEL_DTYPES + WIDE_DTYPES
 
 
+def check_hyperparameter_types(lr, betas, eps, weight_decay) -> None:
+    """A TypeError naming the hyperparameter and the type it takes, where torch.optim.AdamW would fail
+    on a comparison with a raw ``'<=' not supported`` TypeError (``lr="3e-4"``, ``eps=None``)."""
+    check_number(lr, "lr", tensor_ok=True)
+    check_number(eps, "eps")
+    check_number(weight_decay, "weight_decay")
+    if isinstance(betas, (tuple, list)):
+        for i, beta in enumerate(betas):
+            check_number(beta, f"betas[{i}]", tensor_ok=True)
+
+
+def check_number(value, name: str, tensor_ok: bool = False) -> None:
+    """``value`` is a real number (a Python or numpy one) or a Tensor, else a TypeError naming ``name``."""
+    # a Tensor passes whether or not tensor_ok: torch compares a 1-element tensor as a number (its
+    # value checks follow); tensor_ok only says what the message offers
+    if isinstance(value, (Tensor, numbers.Real)):
+        return
+    kind = "a float or a 1-element Tensor" if tensor_ok else "a float"
+    raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+
+
 def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     """torch.optim.AdamW's checks (same messages), for the defaults and every param group."""
+    check_hyperparameter_types(lr, betas, eps, weight_decay)
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor, reference
-from ._args import check_compact_lists, check_flag, check_grad, per_tensor
+from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
 from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_
 from ._state import wide_indices
 
@@ -116,6 +116,10 @@ def fused_amp_adamw(
         per_tensor(v, n, name)
         for v, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay"), (amsgrad, "amsgrad"), (maximize, "maximize"))
     ]
+    for value, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay")):
+        # a TypeError naming it, not a raw one from a float() in the passes
+        for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            check_number(v, name if i is None else f"{name}[{i}]", tensor_ok=name != "eps" and name != "weight_decay")
     hypers = [Hyper(*row) for row in zip(*columns)]
     for i, h in enumerate(hypers):  # validate everything before the first write
         if h.amsgrad and max_exp_avg_sqs[i] is None:

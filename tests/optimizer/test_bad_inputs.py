@@ -29,6 +29,57 @@ def test_invalid_hyperparameters(kwargs, match):
         ampfused.FusedAmpAdamW([param(3)], **kwargs)
 
 
+WRONG_TYPES = [
+    (dict(lr="3e-4"), "lr must be a float or a 1-element Tensor, got str '3e-4'"),
+    (dict(lr=None), "lr must be a float or a 1-element Tensor, got NoneType"),
+    (dict(betas=("a", 0.9)), r"betas\[0\] must be a float or a 1-element Tensor, got str 'a'"),
+    (dict(betas=(0.9, None)), r"betas\[1\] must be a float or a 1-element Tensor, got NoneType"),
+    (dict(eps=None), "eps must be a float, got NoneType None"),
+    (dict(weight_decay="0.01"), "weight_decay must be a float, got str '0.01'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", WRONG_TYPES)
+def test_hyperparameters_of_the_wrong_type_name_it_and_the_type(kwargs, match):
+    with pytest.raises(TypeError):  # stock torch refuses these too, with a raw comparison error
+        torch.optim.AdamW([param(3)], **kwargs)
+    with pytest.raises(TypeError, match=match):
+        ampfused.FusedAmpAdamW([param(3)], **kwargs)
+    with pytest.raises(TypeError, match=match):  # in a param group, at construction
+        ampfused.FusedAmpAdamW([{"params": [param(3)]}, {"params": [param(2)], **kwargs}])
+    opt = ampfused.FusedAmpAdamW([param(3)])
+    with pytest.raises(TypeError, match=match):  # and added later: nothing is added
+        opt.add_param_group({"params": [param(2)], **kwargs})
+    assert len(opt.param_groups) == 1
+
+
+def test_numpy_and_int_hyperparameters_are_numbers():
+    import numpy as np
+
+    ampfused.FusedAmpAdamW([param(3)], lr=np.float32(1e-3), betas=(np.float64(0.9), 0.999), eps=1e-8, weight_decay=0)
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("lr", "3e-4", "lr must be a float or a 1-element Tensor, got str"),
+    ("beta1", [0.9, "0.9"], r"beta1\[1\] must be a float or a 1-element Tensor, got str"),
+    ("eps", None, "eps must be a float, got NoneType"),
+    ("weight_decay", "0", "weight_decay must be a float, got str"),
+])
+def test_functional_hyperparameters_of_the_wrong_type_write_nothing(backend, name, value, match):
+    from ampfused.functional import fused_amp_adamw
+
+    params = [torch.randn(4), torch.randn(3)]
+    grads = [torch.ones_like(p) for p in params]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    before = [t.clone() for t in params + m + v + steps]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    hyper[name] = value
+    with pytest.raises(TypeError, match=match):
+        fused_amp_adamw(params, grads, m, v, [None, None], steps, backend=backend, **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(before, params + m + v + steps))
+
+
 def test_invalid_group_hyperparameters():
     with pytest.raises(ValueError, match="lr"):
         ampfused.FusedAmpAdamW([{"params": [param(3)]}, {"params": [param(2)], "lr": -1.0}])
@@ -128,6 +179,14 @@ def _mutated_state_dict(opt, how):
         sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].t().contiguous()
     elif how == "master of another shape":
         sd["state"][1]["master_param"] = torch.zeros(4)
+    elif how == "a string for a moment":
+        sd["state"][1]["exp_avg_sq"] = "exp_avg_sq.pt"
+    elif how == "a string for the master":
+        sd["state"][0]["master_param"] = "master"
+    elif how == "a string for the step":
+        sd["state"][1]["step"] = "2"
+    elif how == "a list for an entry":
+        sd["state"][1] = [sd["state"][1]["exp_avg"]]
     return sd
 
 
@@ -136,12 +195,16 @@ FOREIGN_STATE_DICTS = [
     ("state for an unlisted param", "which no parameter group lists"),
     ("Adagrad state", "not an AdamW state dict"),
     ("transposed moments", "another model or optimizer"),
+    ("a string for a moment", "state 'exp_avg_sq' of parameter 1 is a str, not a tensor"),
+    ("a string for the step", r"state 'step' of parameter 1 is a str \('2'\); expected a tensor or a number"),
+    ("a list for an entry", "state of parameter 1 is a list, not a dict of tensors"),
 ]
 
 
 @pytest.mark.parametrize("how,match,dtype", [
     *[(how, match, dtype) for how, match in FOREIGN_STATE_DICTS for dtype in (torch.float32, torch.bfloat16)],
     ("master of another shape", "another model or optimizer", torch.bfloat16),  # fp32 params have no master
+    ("a string for the master", "state 'master_param' of parameter 0 is a str, not a tensor", torch.bfloat16),
 ])
 def test_foreign_state_dict_is_refused_and_changes_nothing(backend, device, how, match, dtype):
     params, opt = trained(backend, device, dtype, amsgrad=True)
@@ -326,3 +389,13 @@ def test_non_contiguous_gradients_are_read_correctly(backend, device):
         runs.append(params)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_compact_state_that_is_not_a_tensor_is_refused_and_changes_nothing(backend, device):
+    params, opt = trained(backend, device, torch.bfloat16, state_dtype="int8", master_weights="split16")
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg_codes"] = None
+    before = full_snapshot(opt, params)
+    with pytest.raises(ValueError, match="state 'exp_avg_codes' of parameter 0 is a NoneType, not a tensor"):
+        opt.load_state_dict(sd)
+    assert_untouched(before, opt, params)
