@@ -166,11 +166,7 @@ def check_param(p, fp32_grad_accumulation, device: torch.device | None) -> torch
                          "float64, complex64 and complex128 params")
     if p.is_sparse:
         raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
-    if not is_dense(p):
-        raise ValueError(
-            f"parameter of shape {tuple(p.shape)} with strides {p.stride()} is a view with gaps or overlaps "
-            "(e.g. a slice or an expand of another tensor): FusedAmpAdamW steps dense params of any memory format; "
-            "pass a tensor of its own (p.clone() or p.contiguous())")
+    check_no_overlap(p, "parameter")
     if _dtensor.is_dtensor(p) and p.dtype in LOW_PRECISION and fp32_grad_accumulation:
         raise ValueError(
             "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
@@ -179,6 +175,33 @@ def check_param(p, fp32_grad_accumulation, device: torch.device | None) -> torch
     if device is not None and p.device != device:
         raise ValueError(f"params on several devices ({device} and {p.device}): use one FusedAmpAdamW per device")
     return p.device
+
+
+def check_no_overlap(p: Tensor, what: str) -> None:
+    """A param whose elements share memory (an ``expand``) is refused: no step can write it, and torch's
+    AdamW fails (for-loop/foreach) or corrupts memory (fused) on one.
+
+    [note: non-dense params] A param with gaps (a strided slice) trains as in torch: the reference
+    passes serve it in the same step (``functional.fallback_indices``), as they serve wide params;
+    its state is dense (contiguous strides), as ``torch.zeros_like`` gives it.
+    """
+    if not is_dense(p) and _may_overlap(p):
+        raise ValueError(
+            f"{what} of shape {tuple(p.shape)} with strides {p.stride()} has elements that share memory (e.g. an "
+            "expand of another tensor): no optimizer step can write it; pass a tensor of its own (p.clone())")
+
+
+def _may_overlap(t: Tensor) -> bool:
+    """False when no two elements of ``t`` can share memory: each stride, in increasing order, passes the
+    farthest element the smaller ones reach (a strided slice passes; an expand's zero stride does not)."""
+    if t.numel() == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def check_grad(p: Tensor, grad: Tensor) -> None:
