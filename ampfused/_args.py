@@ -56,6 +56,9 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid epsilon value (eps): {eps}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch's rule, and its message
+        raise ValueError(f"betas must be either both floats or both Tensors, got {type(betas[0]).__name__} and "
+                         f"{type(betas[1]).__name__}")
     for i, beta in enumerate(betas):
         if isinstance(beta, Tensor):  # as torch: a 1-element tensor, read as a float at each step
             if beta.numel() != 1:

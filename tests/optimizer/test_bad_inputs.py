@@ -22,6 +22,8 @@ def param(*shape, dtype=torch.float32):
     (dict(lr=-1.0), "lr"), (dict(eps=-1e-8), "eps"), (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
     (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=(0.9,)), "betas"), (dict(weight_decay=-0.1), "weight_decay"),
     (dict(lr=torch.tensor([1e-3, 1e-3])), "lr"), (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(betas=(0.9, torch.tensor(0.99))), "betas must be either both floats or both Tensors"),
+    (dict(betas=(torch.tensor(0.9), 0.99)), "betas must be either both floats or both Tensors"),
     (dict(max_grad_norm=float("inf")), "max_grad_norm"), (dict(differentiable=True), "differentiable"),
 ])
 def test_invalid_hyperparameters(kwargs, match):
