@@ -164,3 +164,27 @@ def test_param_made_gapped_after_construction_keeps_training(backend):
     opt.step()
     ref.step()
     _assert_states(opt, params, ref, twins, backend)
+
+
+def test_functional_api_serves_gapped_params_beside_dense_ones(backend):
+    from ampfused.functional import fused_amp_adamw
+
+    def run(which, params):
+        grads = _grads(params, 3)
+        grads[-1].view(-1)[0] *= 50  # one global norm: the dense grad's spike clips the gapped ones too
+        m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        steps = [torch.zeros((), device=DEVICE) for _ in params]
+        norm, skipped = fused_amp_adamw([p.detach() for p in params], grads, m, v, [None] * len(params), steps,
+                                        lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                        max_grad_norm=1.0, backend=which)
+        return norm, skipped, m, v, steps
+
+    params = _gapped()
+    twins = _twins(params)  # dense copies on the reference backend: the oracle
+    ours, theirs = run(backend, params), run("reference", twins)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=0)
+    assert float(ours[1]) == 0
+    for i, (p, q) in enumerate(zip(params, twins)):
+        torch.testing.assert_close(p.detach(), q.detach(), **tol(backend), msg=f"param {i}")
+    for a, b in zip(ours[2] + ours[3] + ours[4], theirs[2] + theirs[3] + theirs[4]):
+        torch.testing.assert_close(a, b, **tol(backend))
