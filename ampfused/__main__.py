@@ -29,7 +29,7 @@ def info() -> int:
         with warnings.catch_warnings():  # the fallback warning would repeat what the line says
             warnings.simplefilter("ignore")
             module, why = _backends.resolve(None, torch.device(device))
-        print(f"auto backend for {device}: {module.NAME} ({why})")
+        print(f"auto backend for {device}: {module.NAME} ({why.removeprefix(module.NAME + ': ')})")
     return 0
 
 

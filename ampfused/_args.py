@@ -6,6 +6,7 @@ tensor beta is read once, at construction, as torch does).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -22,8 +23,30 @@ WIDE_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 PARAM_DTYPES = KERNEL_DTYPES + WIDE_DTYPES
 
 
+def check_hyperparameter_types(lr, betas, eps, weight_decay) -> None:
+    """A TypeError naming the hyperparameter and the type it takes, where torch.optim.AdamW would fail
+    on a comparison with a raw ``'<=' not supported`` TypeError (``lr="3e-4"``, ``eps=None``)."""
+    check_number(lr, "lr", tensor_ok=True)
+    check_number(eps, "eps")
+    check_number(weight_decay, "weight_decay")
+    if isinstance(betas, (tuple, list)):
+        for i, beta in enumerate(betas):
+            check_number(beta, f"betas[{i}]", tensor_ok=True)
+
+
+def check_number(value, name: str, tensor_ok: bool = False) -> None:
+    """``value`` is a real number (a Python or numpy one) or a Tensor, else a TypeError naming ``name``."""
+    # a Tensor passes whether or not tensor_ok: torch compares a 1-element tensor as a number (its
+    # value checks follow); tensor_ok only says what the message offers
+    if isinstance(value, (Tensor, numbers.Real)):
+        return
+    kind = "a float or a 1-element Tensor" if tensor_ok else "a float"
+    raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+
+
 def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     """torch.optim.AdamW's checks (same messages), for the defaults and every param group."""
+    check_hyperparameter_types(lr, betas, eps, weight_decay)
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
@@ -33,6 +56,9 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid epsilon value (eps): {eps}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch's rule, and its message
+        raise ValueError(f"betas must be either both floats or both Tensors, got {type(betas[0]).__name__} and "
+                         f"{type(betas[1]).__name__}")
     for i, beta in enumerate(betas):
         if isinstance(beta, Tensor):  # as torch: a 1-element tensor, read as a float at each step
             if beta.numel() != 1:
@@ -143,11 +169,7 @@ def check_param(p, fp32_grad_accumulation, device: torch.device | None) -> torch
                          "float64, complex64 and complex128 params")
     if p.is_sparse:
         raise ValueError("sparse parameters are not supported by FusedAmpAdamW")
-    if not is_dense(p):
-        raise ValueError(
-            f"parameter of shape {tuple(p.shape)} with strides {p.stride()} is a view with gaps or overlaps "
-            "(e.g. a slice or an expand of another tensor): FusedAmpAdamW steps dense params of any memory format; "
-            "pass a tensor of its own (p.clone() or p.contiguous())")
+    check_no_overlap(p, "parameter")
     if _dtensor.is_dtensor(p) and p.dtype in LOW_PRECISION and fp32_grad_accumulation:
         raise ValueError(
             "fp32_grad_accumulation=True with a DTensor (FSDP2) parameter: FSDP2 writes the sharded gradients itself; "
@@ -156,6 +178,33 @@ def check_param(p, fp32_grad_accumulation, device: torch.device | None) -> torch
     if device is not None and p.device != device:
         raise ValueError(f"params on several devices ({device} and {p.device}): use one FusedAmpAdamW per device")
     return p.device
+
+
+def check_no_overlap(p: Tensor, what: str) -> None:
+    """A param whose elements share memory (an ``expand``) is refused: no step can write it, and torch's
+    AdamW fails (for-loop/foreach) or corrupts memory (fused) on one.
+
+    [note: non-dense params] A param with gaps (a strided slice) trains as in torch: the reference
+    passes serve it in the same step (``functional.fallback_indices``), as they serve wide params;
+    its state is dense (contiguous strides), as ``torch.zeros_like`` gives it.
+    """
+    if not is_dense(p) and _may_overlap(p):
+        raise ValueError(
+            f"{what} of shape {tuple(p.shape)} with strides {p.stride()} has elements that share memory (e.g. an "
+            "expand of another tensor): no optimizer step can write it; pass a tensor of its own (p.clone())")
+
+
+def _may_overlap(t: Tensor) -> bool:
+    """False when no two elements of ``t`` can share memory: each stride, in increasing order, passes the
+    farthest element the smaller ones reach (a strided slice passes; an expand's zero stride does not)."""
+    if t.numel() == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def check_grad(p: Tensor, grad: Tensor) -> None:

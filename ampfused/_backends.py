@@ -55,12 +55,18 @@ def _probe_triton():
 def _probe_compiled(device_type: str):
     # ampfused._compiled wraps the extension ampfused._C; get_backend("cpu"|"cuda") returns
     # (backend object with the passes, "") or (None, reason).
+    if device_type == "cuda" and torch.version.cuda is None:
+        # no rebuild of ampfused can help here: its CUDA kernels compile only against a CUDA torch
+        return None, CPU_TORCH_HINT.format(version=torch.__version__)
     try:
         module = importlib.import_module("ampfused._compiled")
     except ImportError as exc:
         return None, f"the compiled extension is not available: {exc}"
     return module.get_backend(device_type)
 
+
+CPU_TORCH_HINT = ("torch {version} is not a CUDA build: the cuda backend needs a CUDA build of torch "
+                  "(https://pytorch.org/get-started/locally/); install one, then reinstall ampfused")
 
 _PROBES = {
     "reference": _probe_reference,
@@ -100,11 +106,13 @@ def _auto_order(device: torch.device) -> tuple[str, ...]:
 
 
 def resolve(requested: str | None, device: torch.device) -> tuple[Backend, str]:
-    """Pick the backend for tensors on ``device``; returns (module, why it was chosen).
+    """Pick the backend for tensors on ``device``; returns (module, why it was chosen), the reason
+    starting with the backend's name ("cpu: best available for cpu", "reference: requested").
 
     ``requested`` (or the AMPFUSED_BACKEND environment variable when it is None) forces one and
     raises RuntimeError with the reason when it cannot serve; None picks the best available.
     """
+    requested_by_env = not requested and bool(os.environ.get(ENV_VAR))
     requested = requested or os.environ.get(ENV_VAR) or None
     if requested is not None:
         check_name(requested)
@@ -112,13 +120,13 @@ def resolve(requested: str | None, device: torch.device) -> tuple[Backend, str]:
         reason = reason or _device_reason(module, device)
         if reason:
             raise RuntimeError(f"ampfused backend {requested!r} is unavailable for {device.type} tensors: {reason}")
-        return module, f"{requested!r} requested"
+        return module, f"{requested}: requested" + (f" (through {ENV_VAR})" if requested_by_env else "")
     skipped = []
     for name in _auto_order(device):
         module, reason = probe(name)
         reason = reason or _device_reason(module, device)
         if not reason:
-            why = f"best available for {device.type}" + (f" ({'; '.join(skipped)})" if skipped else "")
+            why = f"{name}: best available for {device.type}" + (f" ({'; '.join(skipped)})" if skipped else "")
             if name == "reference" and device.type == "cuda":
                 _warn_reference_on_cuda(skipped)
             return module, why

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _compiled, _dtensor
 from ._args import LOW_PRECISION, check_grad
+from ._contract import is_dense
 from ._state import FlatBuffer, uses_master
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad
@@ -196,7 +197,8 @@ class MainGrads:
 
     def relayout_if_strides_changed(self) -> None:
         """A param whose memory format changed after construction (``model.to(memory_format=...)``) gets matching views."""
-        if self.flat is not None and any(v.stride() != p.stride() for p, v in zip(self.params, self.flat.views)):
+        # (a param with gaps keeps contiguous views whatever its strides: [note: non-dense params] in _args)
+        if self.flat is not None and any(v.stride() != p.stride() and is_dense(p) for p, v in zip(self.params, self.flat.views)):
             self.setup(self.params, self.flat.data.device)
 
 
@@ -223,7 +225,7 @@ def _adopt_hook(grads: MainGrads):
                 # a warning, not an error: a per-rank optimizer that is not meant to be reduced is legitimate
                 if not grads.ddp_reduced:
                     warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
-            if p.main_grad.stride() != p.stride():
+            if p.main_grad.stride() != p.stride() and is_dense(p):
                 # [note: memory format] the model changed memory format (model.to(memory_format=...)) since the
                 # layout: the storage follows now, at the first gradient, not at step(), or autograd warns that
                 # grad and param break the layout contract on the next micro-batches. setup() adopts p.grad.

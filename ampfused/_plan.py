@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor, functional
-from ._args import check_grad
+from ._args import check_grad, check_no_overlap
 from ._contract import Hyper, is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
 
@@ -34,12 +34,15 @@ def grads_to_step(param_groups, param_dtypes: dict, device) -> list[tuple[Tensor
             if grad is None:
                 continue
             if grad is not getattr(p, "main_grad", None):  # main_grad is valid by construction
-                if not is_dense(p):
-                    raise RuntimeError(
-                        f"a parameter of shape {tuple(p.shape)} became a view with gaps or overlaps (strides "
-                        f"{p.stride()}) after the optimizer was built (p.data was replaced by a slice?): keep params dense")
+                dense = is_dense(p)
+                if not dense:  # (p.data replaced by a slice after construction: refused only where it overlaps)
+                    try:
+                        check_no_overlap(p, "a parameter")
+                    except ValueError as exc:
+                        raise RuntimeError(f"{exc} (it became so after the optimizer was built)") from None
                 check_grad(p, grad)
-                if grad.stride() != p.stride():
+                # [note: non-dense params] in _args: the reference passes read any grad layout
+                if dense and grad.stride() != p.stride():
                     p.grad = grad = torch.empty_like(p, dtype=grad.dtype).copy_(grad)
             out.append((p, grad, group))
     return out

@@ -236,7 +236,8 @@ class StateRoom:
             state = state_of[p]
             if not state or (group["amsgrad"] and moment_key(state, "max_exp_avg_sq") not in state):
                 self.init(p, group["amsgrad"])
-            elif state[moment_key(state, "exp_avg")].stride() != p.stride():  # memory format changed: state follows the param
+            # memory format changed: state follows the param (a param with gaps keeps contiguous state)
+            elif state[moment_key(state, "exp_avg")].stride() != p.stride() and is_dense(p):
                 self.layout()
 
     def copy_pending_masters(self) -> None:

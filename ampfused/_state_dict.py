@@ -70,9 +70,13 @@ def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
     for key, values in saved_state.items():
         if key not in param_of:
             raise ValueError(f"loaded state dict has state for parameter index {key!r}, which no parameter group lists")
+        if not isinstance(values, dict):
+            raise ValueError(f"state of parameter {key} is a {type(values).__name__}, not a dict of tensors: "
+                             "not an AdamW state dict")
         if not values:  # [note: empty entries] opt.state is a defaultdict: reading opt.state[p] of a param
             continue    # that never stepped leaves {}, which torch saves and loads as "no state yet"
         p = param_of[key]
+        _check_tensors(key, values)
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in values and k + "_codes" not in values]
         if missing:
             raise ValueError(f"state of parameter {key} lacks {missing}: not an AdamW state dict")
@@ -90,6 +94,18 @@ def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
             raise ValueError(f"state 'step' of parameter {key} has shape {tuple(step.shape)}; expected a scalar")
         steps[key] = step.reshape(())
     return Checked(saved_groups, saved_state, param_of, amsgrad_of, steps)
+
+
+def _check_tensors(key, values: dict) -> None:
+    """Every state entry this optimizer reads is a tensor (``step`` may be a number, as older torch saved it)."""
+    for name, value in values.items():
+        if name == "step":
+            if not isinstance(value, (torch.Tensor, int, float)):
+                raise ValueError(f"state 'step' of parameter {key} is a {type(value).__name__} ({value!r}); "
+                                 "expected a tensor or a number")
+        elif (name in MOMENT_KEYS or _compact.is_compact_key(name)) and not isinstance(value, torch.Tensor):
+            raise ValueError(f"state {name!r} of parameter {key} is a {type(value).__name__}, not a tensor: "
+                             "the state dict is damaged or not an AdamW state dict")
 
 
 def _describe(keys) -> str:

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor, reference
-from ._args import check_compact_lists, check_flag, check_grad, per_tensor
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_
+from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_, is_dense
 from ._state import wide_indices
 
 class Scratch:
@@ -116,6 +116,10 @@ def fused_amp_adamw(
         per_tensor(v, n, name)
         for v, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay"), (amsgrad, "amsgrad"), (maximize, "maximize"))
     ]
+    for value, name in ((lr, "lr"), (beta1, "beta1"), (beta2, "beta2"), (eps, "eps"), (weight_decay, "weight_decay")):
+        # a TypeError naming it, not a raw one from a float() in the passes
+        for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+            check_number(v, name if i is None else f"{name}[{i}]", tensor_ok=name != "eps" and name != "weight_decay")
     hypers = [Hyper(*row) for row in zip(*columns)]
     for i, h in enumerate(hypers):  # validate everything before the first write
         if h.amsgrad and max_exp_avg_sqs[i] is None:
@@ -278,7 +282,8 @@ def rounding_seed(device: torch.device) -> int:
 
 def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False) -> list[int]:
     """Indices of the tensors the reference passes serve inside the step: float64/complex ones ([note: wide
-    params]) and those whose encodings ``backend`` does not list in its ``COMPACT_MODES``.
+    params]), params with gaps ([note: non-dense params]) and those whose encodings ``backend`` does not list
+    in its ``COMPACT_MODES``.
 
     [note: compact fallback] Every mode works on every backend from the day it exists: a backend
     without a native variant hands those tensors to ``reference`` (the specification of every
@@ -287,7 +292,7 @@ def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, sto
     if backend is reference:
         return wide_indices(params)
     served = getattr(backend, "COMPACT_MODES", frozenset())
-    wide = set(wide_indices(params))
+    wide = set(wide_indices(params)) | {i for i, p in enumerate(params) if not is_dense(p)}
     for i, (p, m, master) in enumerate(zip(params, exp_avgs, masters)):
         if i not in wide and not compact_modes_needed(p, m, master, stochastic) <= served:
             wide.add(i)

@@ -26,7 +26,6 @@ from ampfused import _backends
 
 DELIBERATE = {  # check -> why ampfused differs on purpose (README, Known limitations)
     "duplicate_params_in_one_param_group": "a param listed twice in a group is refused (torch warns and steps it twice)",
-    "non_contiguous_params": "strided-slice params are refused with a clear error (pass p.clone())",
     "fused_matches_forloop_fp16_bf16": "fp16/bf16 params keep fp32 moments and an fp32 master (values within tolerance, dtype differs)",
 }
 

@@ -1,4 +1,4 @@
-"""Multi-process test harness: spawned workers on 127.0.0.1 with a free port, bounded in time.
+"""Multi-process test harness: spawned workers on 127.0.0.1, meeting at a store this process serves, bounded in time.
 
 A worker is a module-level function ``fn(rank, world, *args)`` that runs with a process group
 already initialized (gloo on CPU, nccl with one GPU per rank); an exception in any rank fails the
@@ -6,7 +6,6 @@ test with that rank's traceback, and a hang (a collective some rank never joins)
 ``timeout`` seconds instead of blocking CI.
 """
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -21,19 +20,19 @@ requires_gloo = pytest.mark.skipif(
     reason="needs torch.distributed with the gloo backend (not built into this torch)")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+READY = "dist_utils/ready"  # ranks that have joined the process group (counted on the harness's store)
+STARTUP_TIMEOUT = 300.0  # spawning ranks and importing torch: seconds on an idle machine, minutes on a busy one
 
 
-def _entry(rank, world, port, backend, fn, args):
+def _entry(rank, world, port, backend, fn, args, timeout):
     os.environ.setdefault("TRITON_INTERPRET", "1" if backend == "gloo" else "0")
     torch.set_num_threads(1)  # 2-4 ranks share the CI machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    # the rendezvous store is the harness's, served from the port it holds (see run)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+    store.add(READY, 1)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -54,16 +53,33 @@ def backends(skip=()) -> list[str]:
 
 
 def run(fn, world: int, *args, timeout: float = 150.0, backend: str = "gloo") -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; fail on any error or after ``timeout`` s."""
-    ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=False,
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; fail on any error, or when the ranks
+    do not all join the group within ``STARTUP_TIMEOUT`` s or then do not finish within ``timeout`` s.
+
+    The rendezvous port is bound here, by the store this process serves, and held until the ranks are
+    done: a port picked free and released before the ranks bind it can be taken meanwhile (another
+    test's listener, any connection's ephemeral port), which fails the run with "address already in
+    use". The time bound starts when every rank is in the group (spawning and importing under load is
+    slow, and is not a hang); a collective that waits longer than ``timeout`` fails in its rank.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT))
+    ctx = mp.start_processes(_entry, args=(world, store.port, backend, fn, args, timeout), nprocs=world, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + timeout
+    name = getattr(fn, "__name__", fn)
+    spawned, started = time.monotonic(), None
     try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{getattr(fn, '__name__', fn)} on {world} processes did not finish within {timeout:.0f} s")
+        while not ctx.join(timeout=0.5):
+            now = time.monotonic()
+            if started is None and store.add(READY, 0) >= world:
+                started = now
+            if started is None and now - spawned >= STARTUP_TIMEOUT:
+                pytest.fail(f"{name}: not every one of {world} processes joined the group within {STARTUP_TIMEOUT:.0f} s")
+            if started is not None and now - started >= timeout:
+                pytest.fail(f"{name} on {world} processes did not finish within {timeout:.0f} s")
     finally:
         for p in ctx.processes:  # only ours, by handle
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store

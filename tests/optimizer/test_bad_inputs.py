@@ -22,11 +22,64 @@ def param(*shape, dtype=torch.float32):
     (dict(lr=-1.0), "lr"), (dict(eps=-1e-8), "eps"), (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
     (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=(0.9,)), "betas"), (dict(weight_decay=-0.1), "weight_decay"),
     (dict(lr=torch.tensor([1e-3, 1e-3])), "lr"), (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(betas=(0.9, torch.tensor(0.99))), "betas must be either both floats or both Tensors"),
+    (dict(betas=(torch.tensor(0.9), 0.99)), "betas must be either both floats or both Tensors"),
     (dict(max_grad_norm=float("inf")), "max_grad_norm"), (dict(differentiable=True), "differentiable"),
 ])
 def test_invalid_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ampfused.FusedAmpAdamW([param(3)], **kwargs)
+
+
+WRONG_TYPES = [
+    (dict(lr="3e-4"), "lr must be a float or a 1-element Tensor, got str '3e-4'"),
+    (dict(lr=None), "lr must be a float or a 1-element Tensor, got NoneType"),
+    (dict(betas=("a", 0.9)), r"betas\[0\] must be a float or a 1-element Tensor, got str 'a'"),
+    (dict(betas=(0.9, None)), r"betas\[1\] must be a float or a 1-element Tensor, got NoneType"),
+    (dict(eps=None), "eps must be a float, got NoneType None"),
+    (dict(weight_decay="0.01"), "weight_decay must be a float, got str '0.01'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", WRONG_TYPES)
+def test_hyperparameters_of_the_wrong_type_name_it_and_the_type(kwargs, match):
+    with pytest.raises(TypeError):  # stock torch refuses these too, with a raw comparison error
+        torch.optim.AdamW([param(3)], **kwargs)
+    with pytest.raises(TypeError, match=match):
+        ampfused.FusedAmpAdamW([param(3)], **kwargs)
+    with pytest.raises(TypeError, match=match):  # in a param group, at construction
+        ampfused.FusedAmpAdamW([{"params": [param(3)]}, {"params": [param(2)], **kwargs}])
+    opt = ampfused.FusedAmpAdamW([param(3)])
+    with pytest.raises(TypeError, match=match):  # and added later: nothing is added
+        opt.add_param_group({"params": [param(2)], **kwargs})
+    assert len(opt.param_groups) == 1
+
+
+def test_numpy_and_int_hyperparameters_are_numbers():
+    import numpy as np
+
+    ampfused.FusedAmpAdamW([param(3)], lr=np.float32(1e-3), betas=(np.float64(0.9), 0.999), eps=1e-8, weight_decay=0)
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("lr", "3e-4", "lr must be a float or a 1-element Tensor, got str"),
+    ("beta1", [0.9, "0.9"], r"beta1\[1\] must be a float or a 1-element Tensor, got str"),
+    ("eps", None, "eps must be a float, got NoneType"),
+    ("weight_decay", "0", "weight_decay must be a float, got str"),
+])
+def test_functional_hyperparameters_of_the_wrong_type_write_nothing(backend, name, value, match):
+    from ampfused.functional import fused_amp_adamw
+
+    params = [torch.randn(4), torch.randn(3)]
+    grads = [torch.ones_like(p) for p in params]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    before = [t.clone() for t in params + m + v + steps]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    hyper[name] = value
+    with pytest.raises(TypeError, match=match):
+        fused_amp_adamw(params, grads, m, v, [None, None], steps, backend=backend, **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(before, params + m + v + steps))
 
 
 def test_invalid_group_hyperparameters():
@@ -46,11 +99,12 @@ def test_unsupported_dtype():  # (float64 and complex params train: tests/optimi
         ampfused.FusedAmpAdamW([torch.zeros(3, dtype=torch.complex32)])
 
 
-def test_params_with_gaps_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="gaps or overlaps"):
-        ampfused.FusedAmpAdamW([torch.nn.Parameter(torch.randn(4, 12))[:, ::2]])
-    with pytest.raises(ValueError, match="gaps or overlaps"):
+def test_params_whose_elements_share_memory_are_refused_with_the_reason():
+    # (params with gaps train: tests/optimizer/test_non_dense_params.py)
+    with pytest.raises(ValueError, match=r"strides \(0, 1\) has elements that share memory"):
         ampfused.FusedAmpAdamW([torch.randn(1, 6).expand(4, 6).requires_grad_()])
+    with pytest.raises(ValueError, match="share memory"):
+        ampfused.FusedAmpAdamW([torch.randn(8).as_strided((3, 3), (2, 1)).requires_grad_()])
 
 
 def test_sparse_gradients_raise_and_change_nothing(backend):
@@ -128,6 +182,14 @@ def _mutated_state_dict(opt, how):
         sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].t().contiguous()
     elif how == "master of another shape":
         sd["state"][1]["master_param"] = torch.zeros(4)
+    elif how == "a string for a moment":
+        sd["state"][1]["exp_avg_sq"] = "exp_avg_sq.pt"
+    elif how == "a string for the master":
+        sd["state"][0]["master_param"] = "master"
+    elif how == "a string for the step":
+        sd["state"][1]["step"] = "2"
+    elif how == "a list for an entry":
+        sd["state"][1] = [sd["state"][1]["exp_avg"]]
     return sd
 
 
@@ -136,12 +198,16 @@ FOREIGN_STATE_DICTS = [
     ("state for an unlisted param", "which no parameter group lists"),
     ("Adagrad state", "not an AdamW state dict"),
     ("transposed moments", "another model or optimizer"),
+    ("a string for a moment", "state 'exp_avg_sq' of parameter 1 is a str, not a tensor"),
+    ("a string for the step", r"state 'step' of parameter 1 is a str \('2'\); expected a tensor or a number"),
+    ("a list for an entry", "state of parameter 1 is a list, not a dict of tensors"),
 ]
 
 
 @pytest.mark.parametrize("how,match,dtype", [
     *[(how, match, dtype) for how, match in FOREIGN_STATE_DICTS for dtype in (torch.float32, torch.bfloat16)],
     ("master of another shape", "another model or optimizer", torch.bfloat16),  # fp32 params have no master
+    ("a string for the master", "state 'master_param' of parameter 0 is a str, not a tensor", torch.bfloat16),
 ])
 def test_foreign_state_dict_is_refused_and_changes_nothing(backend, device, how, match, dtype):
     params, opt = trained(backend, device, dtype, amsgrad=True)
@@ -177,13 +243,13 @@ def test_params_converted_after_construction_fp16_to_fp32(backend, device):
     assert_untouched(before, opt, params)
 
 
-def test_param_made_a_view_with_gaps_after_construction(backend, device):
+def test_param_made_an_overlapping_view_after_construction(backend, device):
     params, opt = trained(backend, device)
-    params[0].data = torch.randn(params[0].shape[0], 2 * params[0].shape[1], device=device)[:, ::2]  # same shape, gaps
+    params[0].data = torch.randn(1, params[0].shape[1], device=device).expand(params[0].shape)  # same shape, overlaps
     before = full_snapshot(opt, params)
     for p, g in zip(params, random_grads(params, 7)):
         p.grad = g
-    with pytest.raises(RuntimeError, match="gaps or overlaps"):
+    with pytest.raises(RuntimeError, match="share memory.*after the optimizer was built"):
         opt.step()
     assert_untouched(before, opt, params)
 
@@ -326,3 +392,13 @@ def test_non_contiguous_gradients_are_read_correctly(backend, device):
         runs.append(params)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_compact_state_that_is_not_a_tensor_is_refused_and_changes_nothing(backend, device):
+    params, opt = trained(backend, device, torch.bfloat16, state_dtype="int8", master_weights="split16")
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg_codes"] = None
+    before = full_snapshot(opt, params)
+    with pytest.raises(ValueError, match="state 'exp_avg_codes' of parameter 0 is a NoneType, not a tensor"):
+        opt.load_state_dict(sd)
+    assert_untouched(before, opt, params)

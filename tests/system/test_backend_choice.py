@@ -97,3 +97,43 @@ def test_environment_variable_forces_a_backend(monkeypatch):
     monkeypatch.setenv("AMPFUSED_BACKEND", "bogus")
     with pytest.raises(ValueError, match="bogus"):
         ampfused.FusedAmpAdamW([p]).backend
+
+
+@pytest.mark.parametrize("requested", [None, "reference"])
+def test_backend_reason_names_the_backend(monkeypatch, requested):
+    monkeypatch.delenv(_backends.ENV_VAR, raising=False)
+    p = param(3)
+    opt = ampfused.FusedAmpAdamW([p], backend=requested)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert opt.backend_reason.startswith(f"{opt.backend}: "), opt.backend_reason
+    assert ("requested" in opt.backend_reason) == (requested is not None)
+
+
+def test_backend_reason_says_the_environment_variable_asked(monkeypatch):
+    monkeypatch.setenv(_backends.ENV_VAR, "reference")
+    opt = ampfused.FusedAmpAdamW([param(3)])
+    assert opt.backend == "reference"
+    assert opt.backend_reason == "reference: requested (through AMPFUSED_BACKEND)"
+
+
+def test_cpu_only_torch_is_told_to_get_a_cuda_torch_not_to_rebuild(monkeypatch):
+    """No ampfused rebuild gives CUDA kernels against a CPU-only torch: the advice says what can."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(_backends, "_probed", {})
+    module, reason = _backends.probe("cuda")
+    assert module is None
+    assert "is not a CUDA build" in reason and "needs a CUDA build of torch" in reason, reason
+    assert "AMPFUSED_BUILD_CUDA" not in reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs an ampfused._C built without CUDA kernels")
+def test_cuda_torch_without_ampfused_cuda_kernels_is_told_to_rebuild(monkeypatch):
+    from ampfused import _compiled
+
+    if _compiled.load()[0] is None:
+        pytest.skip("ampfused._C is not built")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # as a CUDA torch on a machine whose build found no nvcc
+    monkeypatch.setattr(_backends, "_probed", {})
+    module, reason = _backends.probe("cuda")
+    assert module is None and "AMPFUSED_BUILD_CUDA=1" in reason, reason

@@ -86,3 +86,23 @@ def test_bad_argument_from_a_shell_has_no_traceback(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "python -m ampfused bench: error: argument --sizes: 'abc' is not a size (examples: 4096, 64K, 1M, 1.5B)")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("cuda_version", [None, "12.8"])
+def test_info_advice_fits_the_torch_build(capsys, monkeypatch, cuda_version):
+    """A CPU-only torch is told to get a CUDA build of torch; a CUDA torch with a CPU-only ampfused._C
+    is told how to rebuild ampfused."""
+    from ampfused import _backends
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the advice on a machine without CUDA")
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setattr(_backends, "_probed", {})
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    cuda_line = next(line for line in out.splitlines() if line.startswith("  cuda "))
+    if cuda_version is None:
+        assert "needs a CUDA build of torch" in cuda_line and "AMPFUSED_BUILD_CUDA" not in out, out
+    elif "ampfused._C" in cuda_line:  # (a build without the extension says that instead)
+        assert "AMPFUSED_BUILD_CUDA=1" in cuda_line, out
+    assert "auto backend for cpu: " in out
