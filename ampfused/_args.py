@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
-from ._contract import KERNEL_DTYPES, is_dense
+from ._contract import INT8_BLOCK, KERNEL_DTYPES, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -250,7 +250,7 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
         if m.dtype == torch.int8:
             if v.dtype != torch.uint8 or (vmax is not None and vmax.dtype != torch.uint8):
                 raise ValueError(f"exp_avgs[{i}] holds int8 codes: exp_avg_sqs[{i}] (and max_exp_avg_sqs[{i}]) must be uint8 codes")
-            blocks = -(-p.numel() // 256)
+            blocks = -(-p.numel() // INT8_BLOCK)
             if (scales is None or len(scales) != 3 or any(s is not None and (s.dtype != torch.float32 or s.numel() != blocks) for s in scales)
                     or scales[0] is None or scales[1] is None or ((vmax is None) != (scales[2] is None))):
                 raise ValueError(f"tensor {i} has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "

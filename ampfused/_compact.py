@@ -83,13 +83,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._contract import INT8_BLOCK as BLOCK
+from ._contract import SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE
+
 __all__ = [
     "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "quantize",
     "dequantize", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
 ]
 
-BLOCK = 256
-SMALL_TENSOR_NUMEL = 4096
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEYS = {"fp32": "master_param", "split16": "master_low16", "split8": "master_residual8"}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
@@ -218,7 +219,7 @@ def stochastic_round_bf16(x: Tensor, rand: Tensor) -> Tensor:
 # ------------------------------------------------------------------ int8 blockwise moments
 
 # (mantissa bits, code of 1.0) of the two 8-bit grids: sign + E4M3 for exp_avg, E4M4 for sqrt(v)
-_GRIDS = {"signed": (3, 120), "sqrt": (4, 240)}
+_GRIDS = {"signed": (SIGNED_MANT, SIGNED_ONE), "sqrt": (SQRT_MANT, SQRT_ONE)}
 
 
 def _encode_unit(y: Tensor, mant: int) -> Tensor:

@@ -1,9 +1,11 @@
 """The pass contract: what the optimizer, the dispatcher and every backend agree on.
 
 A leaf module (torch, typing and the standard library only): everything in ``ampfused`` may import
-it, it imports nothing of ``ampfused``. The kernels keep their own copies of the numbers
-(``ampfused/kernels`` imports nothing of the package; ``csrc/contract.h`` spells them for C++ and
-CUDA); ``tests/test_contract.py`` holds the copies equal.
+it, it imports nothing of ``ampfused``. It is the one definition of every fact the backends share:
+``csrc/contract_generated.h`` (C++ and CUDA) and ``ampfused/kernels/_contract_generated.py``
+(Triton, which imports nothing of the package) are generated from the section below by
+``python csrc/generate_contract.py`` and committed; tests/contract/test_contract_generated.py fails
+when they are stale or when another source file spells one of these facts itself.
 
 A step is two passes that talk through one small fp32 device vector, ``stats`` (``STATS_SIZE``
 slots): the stats pass writes it, ending with :func:`finish_`; the update pass reads it.
@@ -16,18 +18,167 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
-# Slots of the stats vector.
-NORM, SKIP, FACTOR, SUMSQ = 0, 1, 2, 3
+# ------------------------------------------------------------------ the shared facts
+# Everything from here to the records is generated into C++/CUDA and Triton (SHARED names the C++
+# spelling of each); csrc/generate_contract.py reads these names, so keep them plain values.
+
+# Slots of the stats vector: one fp32 vector the stats pass writes and the update pass reads.
+NORM = 0    # the gradient norm (inf on a skipped step whose norm was finite)
+SKIP = 1    # 1: skip the update, 0: step
+FACTOR = 2  # what every gradient is multiplied by: 1/scale, times the clip coefficient
+SUMSQ = 3   # the sum of squares of the unscaled gradients
 STATS_SIZE = 4
 CLIP_EPS = 1e-6  # the epsilon torch.nn.utils.clip_grad_norm_ adds to the norm
-# Bytes of a launch scratch: the stats pass's ticket counter at byte 0, the update pass's at byte 8,
-# from byte 16 the stats partials (two doubles a block, <= 4096 blocks).
-SCRATCH_BYTES = 16 + 16 * 4096
+
+# [note: scratch] The caller's uint8 launch scratch, zero between launches (the last block of each
+# launch resets its counter): the tickets and partials of the kernels' last-block logic. One per
+# optimizer, so two optimizers on two streams, or two replayed CUDA graphs, never share a counter.
+SCRATCH_STATS_COUNTER = 0   # byte offset of the stats pass's ticket counter
+SCRATCH_UPDATE_COUNTER = 8  # byte offset of the update pass's ticket counter
+SCRATCH_PARTIALS = 16       # byte offset of the stats partials: two doubles per block
+SCRATCH_BLOCKS = 4096       # the most blocks a launch may have (partials for each)
+SCRATCH_BYTES = SCRATCH_PARTIALS + 2 * 8 * SCRATCH_BLOCKS
+
 # Bits of a hyperparameter group's flags.
-FLAG_AMSGRAD, FLAG_MAXIMIZE = 1, 2
-# Per-tensor dtype codes of the kernels' tables; its keys are the dtypes the kernels read and write.
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FLAG_AMSGRAD = 1
+FLAG_MAXIMIZE = 2
+
+# Per-tensor dtype codes of the kernels' records: the element types they read and write.
+DTYPE_F32 = 0
+DTYPE_F16 = 1
+DTYPE_BF16 = 2
+
+# How a group's lr is read: LR_VALUE from the record's lr, LR_SLOT from a kernel argument (Triton:
+# the record's lr_ptr holds the slot), the others from a one-element tensor of that dtype at lr_ptr
+# when the kernel runs (no host sync).
+LR_VALUE = 0
+LR_F32 = 1
+LR_F16 = 2
+LR_BF16 = 3
+LR_F64 = 4
+LR_SLOT = 5
+
+# Compact state (DESIGN §9, ampfused/_compact.py): how a tensor's master and moments are stored.
+MASTER_F32 = 0      # an fp32 master, or none
+MASTER_SPLIT16 = 1  # int16 low halves of the fp32 master (bf16 params)
+MASTER_SPLIT8 = 2   # int8 residuals in ulp(p)/256 (bf16 and fp16 params)
+MOMENT_F32 = 0      # fp32 exp_avg / exp_avg_sq / max_exp_avg_sq
+MOMENT_BF16 = 1     # bf16 moments (round to nearest even, or stochastic)
+MOMENT_INT8 = 2     # int8 exp_avg / uint8 exp_avg_sq codes, fp32 scales per INT8_BLOCK elements
+INT8_BLOCK = 256            # elements per int8 block (one fp32 scale each), in the param's memory order
+SMALL_TENSOR_NUMEL = 4096   # tensors with fewer elements keep fp32 moments under state_dtype="int8"
+# The int8 code grids ([note: float-like grids] in ampfused/_compact.py): mantissa bits and the code of 1.0.
+SIGNED_MANT = 3   # exp_avg: sign + 4-bit exponent + 3-bit mantissa
+SIGNED_ONE = 120
+SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
+SQRT_ONE = 240
+
+# The stochastic-rounding hashes' constants (csrc/compact_random.h, kernels/_compact_state.py).
+SR_GOLDEN64 = 0x9E3779B97F4A7C15        # splitmix64's increment (and the reference's seed multiplier)
+SR_SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
+SR_SPLITMIX_MUL2 = 0x94D049BB133111EB
+SR_MIX32_MUL1 = 0x7FEB352D              # the C++/CUDA 32-bit mixer
+SR_MIX32_MUL2 = 0x846CA68B
+SR_LOWBIAS32_MUL1 = 0x21F0AAAD          # the Triton 32-bit mixer ("lowbias32")
+SR_LOWBIAS32_MUL2 = 0x735A2D97
+SR_KEY_SALT = 0x3C6EF372                # Triton: the tensor index's salt in the per-program key
+SR_WORD0_SALT = 0x5BD1E995              # Triton: the salts of an element's two random words
+SR_WORD1_SALT = 0x1B873593
+
+# name -> (C++ name, C++ type, C++ namespace under ampfused, or "") of every constant above
+SHARED = {
+    "NORM": ("kStatsNorm", "int", ""), "SKIP": ("kStatsSkip", "int", ""), "FACTOR": ("kStatsFactor", "int", ""),
+    "SUMSQ": ("kStatsSumsq", "int", ""), "STATS_SIZE": ("kStatsSize", "int", ""),
+    "CLIP_EPS": ("kClipEps", "float", ""),
+    "SCRATCH_STATS_COUNTER": ("kScratchStatsCounter", "int64_t", ""),
+    "SCRATCH_UPDATE_COUNTER": ("kScratchUpdateCounter", "int64_t", ""),
+    "SCRATCH_PARTIALS": ("kScratchPartials", "int64_t", ""), "SCRATCH_BLOCKS": ("kScratchBlocks", "int", ""),
+    "SCRATCH_BYTES": ("kScratchBytes", "int64_t", ""),
+    "FLAG_AMSGRAD": ("kFlagAmsgrad", "int32_t", ""), "FLAG_MAXIMIZE": ("kFlagMaximize", "int32_t", ""),
+    "DTYPE_F32": ("kF32", "int32_t", ""), "DTYPE_F16": ("kF16", "int32_t", ""), "DTYPE_BF16": ("kBF16", "int32_t", ""),
+    "LR_VALUE": ("kLrValue", "int32_t", ""), "LR_F32": ("kLrF32", "int32_t", ""), "LR_F16": ("kLrF16", "int32_t", ""),
+    "LR_BF16": ("kLrBF16", "int32_t", ""), "LR_F64": ("kLrF64", "int32_t", ""), "LR_SLOT": ("kLrSlot", "int32_t", ""),
+    "MASTER_F32": ("kMasterF32", "int32_t", ""), "MASTER_SPLIT16": ("kMasterSplit16", "int32_t", ""),
+    "MASTER_SPLIT8": ("kMasterSplit8", "int32_t", ""), "MOMENT_F32": ("kMomentF32", "int32_t", ""),
+    "MOMENT_BF16": ("kMomentBF16", "int32_t", ""), "MOMENT_INT8": ("kMomentInt8", "int32_t", ""),
+    "INT8_BLOCK": ("kBlock", "int", "compact"), "SMALL_TENSOR_NUMEL": ("kSmallTensorNumel", "int64_t", "compact"),
+    "SIGNED_MANT": ("kSignedMant", "int", "compact"), "SIGNED_ONE": ("kSignedOne", "int", "compact"),
+    "SQRT_MANT": ("kSqrtMant", "int", "compact"), "SQRT_ONE": ("kSqrtOne", "int", "compact"),
+    "SR_GOLDEN64": ("kGolden64", "uint64_t", "compact"), "SR_SPLITMIX_MUL1": ("kSplitmixMul1", "uint64_t", "compact"),
+    "SR_SPLITMIX_MUL2": ("kSplitmixMul2", "uint64_t", "compact"), "SR_MIX32_MUL1": ("kMix32Mul1", "uint32_t", "compact"),
+    "SR_MIX32_MUL2": ("kMix32Mul2", "uint32_t", "compact"),
+    "SR_LOWBIAS32_MUL1": ("kLowbias32Mul1", "uint32_t", "compact"),
+    "SR_LOWBIAS32_MUL2": ("kLowbias32Mul2", "uint32_t", "compact"), "SR_KEY_SALT": ("kKeySalt", "uint32_t", "compact"),
+    "SR_WORD0_SALT": ("kWord0Salt", "uint32_t", "compact"), "SR_WORD1_SALT": ("kWord1Salt", "uint32_t", "compact"),
+}
+
+# The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
+DTYPE_CODE = {torch.float32: DTYPE_F32, torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}
 KERNEL_DTYPES = tuple(DTYPE_CODE)
+
+
+class Field(NamedTuple):
+    """One field of a record the backends share: a C++ struct member and, where ``triton``, an
+    int64 column of the Triton table (in this order; floats as their fp64 bit pattern)."""
+
+    name: str
+    ctype: str
+    doc: str
+    triton: bool = True
+
+
+# [note: records] One tensor of the update pass, as the op or the Triton builder checked it: the
+# only per-tensor record. The CPU hot loops take element ranges of it, the CUDA update reads an
+# array of it from device memory, the Triton update one int64 row of it per tensor; so it holds
+# plain addresses and fixed-width integers only. Addresses are 0/nullptr where a tensor is absent.
+UPDATE_TENSOR = (
+    Field("param", "void*", "the param (its dtype code in param_dtype)"),
+    Field("grad", "void*", "written only with a grad_scale: the unscaled gradient"),
+    Field("exp_avg", "float*", "the moments: fp32, or the encoding moment_kind says"),
+    Field("exp_avg_sq", "float*", ""),
+    Field("max_exp_avg_sq", "float*", "nullptr without AMSGrad"),
+    Field("master", "float*", "nullptr without a master copy; else fp32 or the encoding master_kind says"),
+    Field("step", "float*", "one fp32 element, advanced once the update has read it"),
+    Field("exp_avg_scales", "float*", "MOMENT_INT8: the fp32 scale of each INT8_BLOCK block; nullptr otherwise"),
+    Field("exp_avg_sq_scales", "float*", ""),
+    Field("max_exp_avg_sq_scales", "float*", ""),
+    Field("numel", "int64_t", ""),
+    Field("param_dtype", "int32_t", "a DTYPE_ code"),
+    Field("grad_dtype", "int32_t", "a DTYPE_ code"),
+    Field("group", "int32_t", "index into the group records"),
+    Field("aligned", "int32_t", "every address allows 4-element vector access (the fast path)"),
+    Field("master_kind", "int32_t", "a MASTER_ code"),
+    Field("moment_kind", "int32_t", "a MOMENT_ code (all of the tensor's moments alike)"),
+    Field("stochastic", "int32_t", "1: bf16 writes without an exact master round stochastically (Triton: a launch constexpr)",
+          triton=False),
+    Field("index", "int32_t", "position in the op's lists: with the seed, it keys the random bits (Triton: the row)",
+          triton=False),
+)
+
+# One param group of the update pass: the only per-group record (C++: by value in a CUDA launch's
+# arguments or in device memory; Triton: one int64 row per distinct hyperparameter set).
+UPDATE_GROUP = (
+    Field("lr", "double", "used with LR_VALUE"),
+    Field("beta1", "double", ""),
+    Field("beta2", "double", ""),
+    Field("eps", "double", ""),
+    Field("weight_decay", "double", ""),
+    Field("lr_ptr", "const void*", "a tensor lr (LR_F32 .. LR_F64), read at kernel time; the slot with LR_SLOT"),
+    Field("lr_kind", "int32_t", "an LR_ code"),
+    Field("flags", "int32_t", "FLAG_AMSGRAD | FLAG_MAXIMIZE"),
+)
+
+# One grad of the stats pass.
+STATS_TENSOR = (
+    Field("grad", "const void*", ""),
+    Field("numel", "int64_t", ""),
+    Field("dtype", "int32_t", "a DTYPE_ code"),
+    Field("aligned", "int32_t", "the address allows 4-element vector access"),
+)
+
+# record -> (C++ struct name, Triton column prefix)
+RECORDS = {"UPDATE_TENSOR": ("UpdateTensor", "U_"), "UPDATE_GROUP": ("UpdateGroup", "G_"),
+           "STATS_TENSOR": ("StatsEntry", "S_")}
 
 
 class Hyper(NamedTuple):

@@ -4,7 +4,7 @@ A step is two passes that talk through one small device vector, ``stats`` (fp32 
 
 1. **stats** -- ``sumsq = sum((g / S)^2)`` and a flag for any inf/NaN element, over every gradient
    of every group, then, in the same launch, the **finish**: ``norm = sqrt(sumsq)``,
-   ``skip = flag or found_inf``, ``factor = min(1, c / (norm + 1e-6)) / S``;
+   ``skip = flag or found_inf``, ``factor = min(1, c / (norm + CLIP_EPS)) / S``;
 2. **update** -- AdamW on every tensor with ``g * factor``, a no-op when ``skip`` is set; after a
    scaled step it also writes the unscaled gradient ``g / S`` back into the grads (torch's fused
    AdamW does the same), unless ``keep_scaled_grads``.

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _compact
-from ._contract import FACTOR, SKIP, SUMSQ, finish_, inv_scale_of
+from ._contract import FACTOR, SKIP, SR_GOLDEN64, SUMSQ, finish_, inv_scale_of
 
 NAME = "reference"
 
@@ -101,7 +101,7 @@ def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, mast
     generator = None
     if rounding_seed is not None:  # [note: reference rounding bits] torch's generator, seeded per (step seed, tensor)
         generator = torch.Generator(device=param.device)
-        generator.manual_seed((rounding_seed * 0x9E3779B97F4A7C15 + i) % (1 << 63))
+        generator.manual_seed((rounding_seed * SR_GOLDEN64 + i) % (1 << 63))
     _compact.compact_adamw_step_(param, grad, state, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                  weight_decay=h.weight_decay, amsgrad=h.amsgrad, maximize=h.maximize, factor=factor,
                                  skip=skip, stochastic_rounding=rounding_seed is not None, generator=generator)

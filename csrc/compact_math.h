@@ -30,10 +30,7 @@
 namespace ampfused {
 namespace compact {
 
-constexpr int kBlock = 256;               // elements per int8 block (one fp32 scale each)
-constexpr int64_t kSmallTensorNumel = 4096;  // smaller tensors keep fp32 moments
-constexpr int kSignedMant = 3, kSignedOne = 120;  // exp_avg grid: sign + 4-bit exponent + 3-bit mantissa
-constexpr int kSqrtMant = 4, kSqrtOne = 240;      // sqrt(exp_avg_sq) grid: 4-bit exponent + 4-bit mantissa
+// kBlock, kSmallTensorNumel and the grids (kSignedMant/kSignedOne, kSqrtMant/kSqrtOne): contract_generated.h
 
 AMPFUSED_HD uint32_t bits_of(float x) {
 #if defined(__CUDA_ARCH__)

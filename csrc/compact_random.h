@@ -13,23 +13,24 @@
 #include <cstdint>
 
 #include "adamw_math.h"  // AMPFUSED_HD
+#include "contract.h"    // the hash constants
 
 namespace ampfused {
 namespace compact {
 
 AMPFUSED_HD uint64_t splitmix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z += kGolden64;
+  z = (z ^ (z >> 30)) * kSplitmixMul1;
+  z = (z ^ (z >> 27)) * kSplitmixMul2;
   return z ^ (z >> 31);
 }
 
 // A 32-bit bijective mixer with full avalanche (two multiply-xorshift rounds).
 AMPFUSED_HD uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x7FEB352Du;
+  x *= kMix32Mul1;
   x ^= x >> 15;
-  x *= 0x846CA68Bu;
+  x *= kMix32Mul2;
   x ^= x >> 16;
   return x;
 }

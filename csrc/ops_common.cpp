@@ -151,8 +151,15 @@ UpdateCall collect_update(
   out.groups.reserve(g);
   out.lr_tensors.resize(g);
   for (size_t j = 0; j < g; ++j) {
-    UpdateGroup group{lrs[j], nullptr, kLrValue, static_cast<int32_t>(flags[j] & (kFlagAmsgrad | kFlagMaximize)),
-                      beta1s[j], beta2s[j], epss[j], weight_decays[j]};
+    UpdateGroup group{};
+    group.lr = lrs[j];
+    group.beta1 = beta1s[j];
+    group.beta2 = beta2s[j];
+    group.eps = epss[j];
+    group.weight_decay = weight_decays[j];
+    group.lr_ptr = nullptr;
+    group.lr_kind = kLrValue;
+    group.flags = static_cast<int32_t>(flags[j] & (kFlagAmsgrad | kFlagMaximize));
     std::optional<at::Tensor> lr_t = lr_tensors.get(j);
     if (lr_t.has_value()) {
       TORCH_CHECK(lr_t->numel() == 1, "ampfused: a tensor lr must have one element");

@@ -6,8 +6,8 @@ math unchanged, and encode it back with the functions of ``compact.py`` (tested 
 within a program; which encodings a launch can meet are constexprs, so a launch without compact
 tensors compiles to the plain kernel.
 
-[note: int8 blocks] int8 moments have one scale per 256 consecutive elements. Chunks and blocks
-start on multiples of 256 within a tensor, so a block of the int8 variant is a [BLOCK // 256, 256]
+[note: int8 blocks] int8 moments have one scale per INT8_BLOCK consecutive elements. Chunks and
+blocks start on multiples of it within a tensor, so a block of the int8 variant is a [BLOCK // INT8_BLOCK, INT8_BLOCK]
 tile of whole scale blocks: decode with the old scales, update, take the new block maxima along
 axis 1 (NaN-propagating, as ``amax``), encode, store codes and scales. Elements past the end of the
 tensor count as 0, as the specification's padding.
@@ -22,28 +22,25 @@ import triton
 import triton.language as tl
 
 from . import compact as K
+from ._contract_generated import (DTYPE_BF16, DTYPE_F16, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32, SR_KEY_SALT,
+                                  SR_LOWBIAS32_MUL1, SR_LOWBIAS32_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
 from ._memory import store_f32
-
-# row-table codes (adamw.py writes them)
-STATE_FP32, STATE_BF16, STATE_INT8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-MASTER_FP32, MASTER_SPLIT16, MASTER_SPLIT8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-SCALE_BLOCK = tl.constexpr(256)  # ampfused._compact.BLOCK
 
 
 @triton.jit
 def mix32(x):
     """lowbias32: a bijective avalanche of uint32 ``x``."""
     x = x ^ (x >> 16)
-    x = x * 0x21F0AAAD
+    x = x * SR_LOWBIAS32_MUL1
     x = x ^ (x >> 15)
-    x = x * 0x735A2D97
+    x = x * SR_LOWBIAS32_MUL2
     return x ^ (x >> 15)
 
 
 @triton.jit
 def rounding_key(seed_lo, seed_hi, tensor, start):
     """Per-program key of the random bits: (seed, tensor index, high word of the element index)."""
-    key = mix32(tensor.to(tl.uint32) + 0x3C6EF372)
+    key = mix32(tensor.to(tl.uint32) + SR_KEY_SALT)
     key = mix32(key ^ seed_lo.to(tl.uint32))
     key = mix32(key ^ seed_hi.to(tl.uint32))
     return mix32(key ^ (start >> 32).to(tl.uint32))
@@ -53,10 +50,10 @@ def rounding_key(seed_lo, seed_hi, tensor, start):
 def random_words(offs, key, SECOND: tl.constexpr):
     """(word0, word1) of 32 random bits for elements ``offs``; word1 only when SECOND (else 0)."""
     y = mix32(offs.to(tl.uint32) ^ key)
-    word0 = mix32(y ^ 0x5BD1E995)
+    word0 = mix32(y ^ SR_WORD0_SALT)
     word1 = word0 * 0
     if SECOND:
-        word1 = mix32(y ^ 0x1B873593)
+        word1 = mix32(y ^ SR_WORD1_SALT)
     return word0, word1
 
 
@@ -99,11 +96,11 @@ def _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.con
 def load_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.constexpr, BF16: tl.constexpr,
                 INT8: tl.constexpr, SIGNED: tl.constexpr):
     """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``)."""
-    if kind == STATE_FP32:
+    if kind == MOMENT_F32:
         x = tl.load(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
         if BF16 and INT8:
-            if kind == STATE_BF16:
+            if kind == MOMENT_BF16:
                 x = _load_bf16(addr, offs, mask, ALIGNED)
             else:
                 x = _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED, SIGNED)
@@ -146,11 +143,11 @@ def store_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, x, rand
                  BF16: tl.constexpr, INT8: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr):
     """Store fp32 ``x`` in the moment's encoding; bf16 rounds stochastically with the low 16 bits of
     ``rand`` when SR; int8 takes new block maxima as scales ([note: int8 blocks])."""
-    if kind == STATE_FP32:
+    if kind == MOMENT_F32:
         tl.store(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
     else:
         if BF16 and INT8:
-            if kind == STATE_BF16:
+            if kind == MOMENT_BF16:
                 _store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
             else:
                 _store_int8(addr, scale_addr, offs, mask, groups, group_mask, x, ALIGNED, SIGNED)
@@ -162,7 +159,7 @@ def store_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, x, rand
 
 @triton.jit
 def _join8(bits, residual, param_dtype):
-    if param_dtype == 1:
+    if param_dtype == DTYPE_F16:
         w = K.join8(bits, residual, True)
     else:
         w = K.join8(bits, residual, False)
@@ -203,7 +200,7 @@ def _store_split16(bits_ptr, low_ptr, offs, mask, w):
 
 @triton.jit
 def _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w):
-    if param_dtype == 1:
+    if param_dtype == DTYPE_F16:
         bits, q = K.split8(w, True)
     else:
         bits, q = K.split8(w, False)
@@ -261,7 +258,7 @@ def store_state(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8
         store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
     else:
         if SR:
-            if param_dtype == 2:  # bf16 without a master: stochastic rounding
+            if param_dtype == DTYPE_BF16:  # bf16 without a master: stochastic rounding
                 _store_bf16(param_addr, offs, mask, w, word1 >> 16, ALIGNED, True)
             else:
                 store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)

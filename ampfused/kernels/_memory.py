@@ -1,7 +1,7 @@
 """Typed loads and stores through raw addresses, with fp32 math in registers.
 
 Params and grads are fp32, fp16 or bf16; the dtype is a per-tensor runtime code
-(``_tables.DTYPE_CODE``: 0 fp32, 1 fp16, 2 bf16), uniform within a program, so the branches below
+(``_tables.DTYPE_CODE``, ampfused._contract's DTYPE_ codes), uniform within a program, so the branches below
 never diverge. ``mask=None`` means a full block: no predication, so 16-byte vector accesses.
 
 [note: bf16 by bit manipulation] bf16 values are moved as uint16 bits and converted with integer
@@ -22,16 +22,18 @@ helpers call none.
 import triton
 import triton.language as tl
 
+from ._contract_generated import DTYPE_F16, DTYPE_F32
+
 
 @triton.jit
 def load_f32(addr, dtype_code, offs, mask, ALIGNED: tl.constexpr):
     """Elements ``offs`` of the tensor at int64 address ``addr`` (fp32/fp16/bf16) as fp32."""
-    if dtype_code == 0:
+    if dtype_code == DTYPE_F32:
         fp32_ptr = addr.to(tl.pointer_type(tl.float32))
         if ALIGNED:
             fp32_ptr = tl.multiple_of(fp32_ptr, 16)
         x = tl.load(fp32_ptr + offs, mask=mask)
-    elif dtype_code == 1:
+    elif dtype_code == DTYPE_F16:
         fp16_ptr = addr.to(tl.pointer_type(tl.float16))
         if ALIGNED:
             fp16_ptr = tl.multiple_of(fp16_ptr, 8)
@@ -47,12 +49,12 @@ def load_f32(addr, dtype_code, offs, mask, ALIGNED: tl.constexpr):
 @triton.jit
 def store_f32(addr, dtype_code, offs, x, mask, ALIGNED: tl.constexpr):
     """Write fp32 ``x`` to elements ``offs`` of the tensor at ``addr``, rounding to its dtype (RNE)."""
-    if dtype_code == 0:
+    if dtype_code == DTYPE_F32:
         fp32_ptr = addr.to(tl.pointer_type(tl.float32))
         if ALIGNED:
             fp32_ptr = tl.multiple_of(fp32_ptr, 16)
         tl.store(fp32_ptr + offs, x, mask=mask)
-    elif dtype_code == 1:
+    elif dtype_code == DTYPE_F16:
         fp16_ptr = addr.to(tl.pointer_type(tl.float16))
         if ALIGNED:
             fp16_ptr = tl.multiple_of(fp16_ptr, 8)

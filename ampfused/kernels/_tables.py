@@ -35,7 +35,10 @@ import numpy
 import torch
 from torch import Tensor
 
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # ampfused._contract's (tests/test_contract.py)
+from ._contract_generated import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, SCRATCH_BYTES, SCRATCH_PARTIALS,
+                                  SCRATCH_STATS_COUNTER, SCRATCH_UPDATE_COUNTER)
+
+DTYPE_CODE = {torch.float32: int(DTYPE_F32), torch.float16: int(DTYPE_F16), torch.bfloat16: int(DTYPE_BF16)}
 CACHE_SIZE = 8  # live entries per kind: enough for a few optimizers, small enough to forget stale ones
 
 
@@ -64,10 +67,8 @@ _kept: dict[Hashable, object] = {}
 _built_in_capture: set[Hashable] = set()
 _retained: list = []  # memo tables (ScratchRows) a captured graph uses: never freed
 
-# The caller's launch scratch (ampfused.functional.Scratch, [note: scratch] there; the size is
-# ampfused._contract.SCRATCH_BYTES): uint8, zero between
-# launches; byte 0: the stats ticket counter, byte 8: the update's, from byte 16: the stats partials.
-SCRATCH_BYTES = 16 + 16 * 4096
+# The caller's launch scratch (ampfused.functional.Scratch; [note: scratch] in ampfused/_contract.py):
+# uint8 of SCRATCH_BYTES, zero between launches.
 
 
 def capturing(device: torch.device) -> bool:
@@ -108,14 +109,17 @@ def scratch_views(scratch, device: torch.device) -> tuple[Tensor, Tensor, Tensor
     Without one (the functional API) a fresh zeroed buffer: nothing is shared with another caller.
     """
     if scratch is None:
-        buf = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8, device=device)
-        return buf[0:4].view(torch.int32), buf[8:12].view(torch.int32), buf[16:].view(torch.float32)
+        return _views_of(torch.zeros(int(SCRATCH_BYTES), dtype=torch.uint8, device=device))
     views = scratch.memo.get(("scratch views", device))
     if views is None:
-        buf = scratch.buffer(device)
-        views = scratch.memo[("scratch views", device)] = (buf[0:4].view(torch.int32), buf[8:12].view(torch.int32),
-                                                          buf[16:].view(torch.float32))
+        views = scratch.memo[("scratch views", device)] = _views_of(scratch.buffer(device))
     return views
+
+
+def _views_of(buf: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    stats, update = int(SCRATCH_STATS_COUNTER), int(SCRATCH_UPDATE_COUNTER)
+    return (buf[stats:stats + 4].view(torch.int32), buf[update:update + 4].view(torch.int32),
+            buf[int(SCRATCH_PARTIALS):].view(torch.float32))
 
 
 class ScratchRows:

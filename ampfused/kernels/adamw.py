@@ -29,30 +29,24 @@ from torch import Tensor
 
 from . import _runtime, _tables
 from . import _compact_state as CS
+from ._contract_generated import (
+    DTYPE_BF16, DTYPE_F16, DTYPE_F32, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
+    G_LR_KIND, G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
+    MASTER_F32, MASTER_SPLIT16, MASTER_SPLIT8, MOMENT_BF16, MOMENT_F32, MOMENT_INT8, SKIP, U_ALIGNED, U_EXP_AVG,
+    U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_MASTER, U_MASTER_KIND,
+    U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32
 
-# Table columns (tl.constexpr so the kernel can name them; the builders below write rows in this order).
-# row table, one row per tensor: addresses first (0 = tensor absent), then size and codes
-PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MASTER, STEP, NUMEL, PARAM_DTYPE, GRAD_DTYPE, GROUP, ALIGNED_ROW = map(tl.constexpr, range(12))
-# compact state (DESIGN §9, read only by the compact variants): master and moment encodings
-# (_compact_state's codes), the addresses of the int8 moments' block scales
-MASTER_KIND, STATE_KIND, EXP_AVG_SCALES, EXP_AVG_SQ_SCALES, MAX_EXP_AVG_SQ_SCALES = map(tl.constexpr, range(12, 17))
-ROW = tl.constexpr(17)
-# group table, one row per distinct hyperparameter set: fp64 bit patterns, then the lr source and flags
-G_LR, G_BETA1, G_BETA2, G_EPS, G_WD, G_LR_ADDR, G_LR_KIND, G_FLAGS = map(tl.constexpr, range(8))
-GROUP_ROW = tl.constexpr(8)
-# lr from the table / an fp32 / fp64 / fp16 / bf16 tensor / a kernel-argument slot (G_LR_ADDR holds the slot)
-LR_VALUE, LR_FP32_ADDR, LR_FP64_ADDR, LR_SLOT, LR_FP16_ADDR, LR_BF16_ADDR = map(tl.constexpr, range(6))
-LR_KIND_OF = {torch.float32: int(LR_FP32_ADDR), torch.float64: int(LR_FP64_ADDR), torch.float16: int(LR_FP16_ADDR),
-              torch.bfloat16: int(LR_BF16_ADDR)}
+# The row table (one row per tensor: U_ columns), the group table (one row per distinct
+# hyperparameter set: G_ columns, floats as fp64 bit patterns) and the lr kinds are
+# ampfused._contract's UPDATE_TENSOR, UPDATE_GROUP and LR_ codes.
+LR_KIND_OF = {torch.float32: int(LR_F32), torch.float64: int(LR_F64), torch.float16: int(LR_F16),
+              torch.bfloat16: int(LR_BF16)}
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
-# copies of ampfused._contract's stats slots and group flags (tests/test_contract.py holds them equal)
-SKIP, FACTOR = tl.constexpr(1), tl.constexpr(2)
-AMSGRAD, MAXIMIZE = tl.constexpr(1), tl.constexpr(2)
 
 
 # [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
-assert _runtime.CHUNK % int(CS.SCALE_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(CS.SCALE_BLOCK) == 0
+assert _runtime.CHUNK % int(INT8_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(INT8_BLOCK) == 0
 
 
 @triton.jit
@@ -196,22 +190,22 @@ def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULAT
     compact = (exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr, master_kind, state_kind, exp_avg_scales,
                exp_avg_sq_scales, max_sq_scales, key)
     if INT8_STATE:  # [note: int8 blocks] a block is a [BLOCK // 256, 256] tile of whole scale blocks
-        GROUPS: tl.constexpr = BLOCK // CS.SCALE_BLOCK
+        GROUPS: tl.constexpr = BLOCK // INT8_BLOCK
         while first < full_end:
-            first = tl.multiple_of(first, CS.SCALE_BLOCK)
-            offs = first + tl.arange(0, GROUPS)[:, None] * CS.SCALE_BLOCK + tl.arange(0, CS.SCALE_BLOCK)[None, :]
+            first = tl.multiple_of(first, INT8_BLOCK)
+            offs = first + tl.arange(0, GROUPS)[:, None] * INT8_BLOCK + tl.arange(0, INT8_BLOCK)[None, :]
             _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
                          exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor,
                          unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
-                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, first // CS.SCALE_BLOCK + tl.arange(0, GROUPS), None)
+                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, first // INT8_BLOCK + tl.arange(0, GROUPS), None)
             first += BLOCK
         if full_end < end:
-            offs = full_end + tl.arange(0, GROUPS)[:, None] * CS.SCALE_BLOCK + tl.arange(0, CS.SCALE_BLOCK)[None, :]
-            group_first = full_end + tl.arange(0, GROUPS) * CS.SCALE_BLOCK
+            offs = full_end + tl.arange(0, GROUPS)[:, None] * INT8_BLOCK + tl.arange(0, INT8_BLOCK)[None, :]
+            group_first = full_end + tl.arange(0, GROUPS) * INT8_BLOCK
             _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr,
                          grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
                          factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, group_first // CS.SCALE_BLOCK, group_first < end)
+                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, group_first // INT8_BLOCK, group_first < end)
     else:
         while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
             offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -249,31 +243,31 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         pid = tl.program_id(0)
         tensor = tl.load(chunks + 2 * pid)
         start = tl.load(chunks + 2 * pid + 1)
-        row = rows + tensor * ROW
-        group = groups + tl.load(row + GROUP) * GROUP_ROW
+        row = rows + tensor * U_SIZE
+        group = groups + tl.load(row + U_GROUP) * G_SIZE
 
         # Scalars in fp64, as torch computes them from Python floats or fp64 tensors, then rounded
         # to fp32 where torch's fp32 kernels round them.
         lr_kind = tl.load(group + G_LR_KIND)
         lr = tl.load(group + G_LR).to(tl.float64, bitcast=True)
-        if lr_kind == LR_FP32_ADDR:
-            lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float32))).to(tl.float64)
-        elif lr_kind == LR_FP64_ADDR:
-            lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float64)))
-        elif lr_kind == LR_FP16_ADDR:
-            lr = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.float16))).to(tl.float64)
-        elif lr_kind == LR_BF16_ADDR:  # exact widening by bits (see _memory.py)
-            bits = tl.load(tl.load(group + G_LR_ADDR).to(tl.pointer_type(tl.uint16)))
+        if lr_kind == LR_F32:
+            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float32))).to(tl.float64)
+        elif lr_kind == LR_F64:
+            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float64)))
+        elif lr_kind == LR_F16:
+            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float16))).to(tl.float64)
+        elif lr_kind == LR_BF16:  # exact widening by bits (see _memory.py)
+            bits = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.uint16)))
             lr = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
         elif lr_kind == LR_SLOT:
-            lr = _slot_lr(tl.load(group + G_LR_ADDR), lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid,
+            lr = _slot_lr(tl.load(group + G_LR_PTR), lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid,
                           lr2_lo, lr3_hi, lr3_mid, lr3_lo)
         beta1 = tl.load(group + G_BETA1).to(tl.float64, bitcast=True)
         beta2 = tl.load(group + G_BETA2).to(tl.float64, bitcast=True)
         eps = tl.load(group + G_EPS).to(tl.float64, bitcast=True).to(tl.float32)
-        weight_decay = tl.load(group + G_WD).to(tl.float64, bitcast=True)
+        weight_decay = tl.load(group + G_WEIGHT_DECAY).to(tl.float64, bitcast=True)
         flags = tl.load(group + G_FLAGS)
-        step = tl.load(tl.load(row + STEP).to(tl.pointer_type(tl.float32))) + 1.0
+        step = tl.load(tl.load(row + U_STEP).to(tl.pointer_type(tl.float32))) + 1.0
         bias_correction1, bias_correction2_sqrt = _bias_corrections(beta1, beta2, step)
         neg_step_size = (lr / bias_correction1 * -1.0).to(tl.float32)  # -0.0 when lr == 0, as in torch
         decay = (1.0 - lr * weight_decay).to(tl.float32)
@@ -282,38 +276,38 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
             unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
 
-        param_addr = tl.load(row + PARAM)
-        param_dtype = tl.load(row + PARAM_DTYPE)
+        param_addr = tl.load(row + U_PARAM)
+        param_dtype = tl.load(row + U_PARAM_DTYPE)
         block_tail = (
-            tl.load(row + GRAD), tl.load(row + GRAD_DTYPE), tl.load(row + EXP_AVG), tl.load(row + EXP_AVG_SQ), tl.load(row + MAX_EXP_AVG_SQ), tl.load(row + MASTER),
-            (flags & AMSGRAD) != 0, (flags & MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
+            tl.load(row + U_GRAD), tl.load(row + U_GRAD_DTYPE), tl.load(row + U_EXP_AVG), tl.load(row + U_EXP_AVG_SQ), tl.load(row + U_MAX_EXP_AVG_SQ), tl.load(row + U_MASTER),
+            (flags & FLAG_AMSGRAD) != 0, (flags & FLAG_MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
             beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
-        end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
+        end = tl.minimum(start + CHUNK, tl.load(row + U_NUMEL))
         if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
             key = tl.program_id(0).to(tl.uint32) * 0
             if SR:  # [note: random bits] in _compact_state
                 key = CS.rounding_key(seed_lo, seed_hi, tensor, start)
-            master_kind = tl.load(row + MASTER_KIND)
-            compact_args = (master_kind, tl.load(row + STATE_KIND), tl.load(row + EXP_AVG_SCALES),
-                            tl.load(row + EXP_AVG_SQ_SCALES), tl.load(row + MAX_EXP_AVG_SQ_SCALES), key)
-            aligned = tl.load(row + ALIGNED_ROW) != 0
+            master_kind = tl.load(row + U_MASTER_KIND)
+            compact_args = (master_kind, tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
+                            tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES), key)
+            aligned = tl.load(row + U_ALIGNED) != 0
             # [note: split masters per program] a tensor's master is split or not, and its param
             # fp16 or bf16, for the whole program: deciding both here (the dtype code becomes a
             # constexpr) keeps those branches, and the registers they hold, out of the block loop.
             # The split loops are compiled only for launches with split masters.
-            if (SPLIT16 or SPLIT8) and master_kind != CS.MASTER_FP32:
-                if SPLIT8 and param_dtype == 1:  # fp16: split8 only
+            if (SPLIT16 or SPLIT8) and master_kind != MASTER_F32:
+                if SPLIT8 and param_dtype == DTYPE_F16:  # fp16: split8 only
                     if aligned:
-                        _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                        _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_F16, *block_tail,
                                       False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
                     else:
-                        _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 1, *block_tail,
+                        _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_F16, *block_tail,
                                       False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
                 elif aligned:
-                    _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                    _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_BF16, *block_tail, SPLIT16,
                                   SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
                 else:
-                    _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, 2, *block_tail, SPLIT16,
+                    _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_BF16, *block_tail, SPLIT16,
                                   SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
             elif aligned:
                 _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
@@ -321,7 +315,7 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
             else:
                 _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
                               INT8_STATE, SR, *compact_args)
-        elif tl.load(row + ALIGNED_ROW) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
+        elif tl.load(row + U_ALIGNED) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
             _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
                           0, 0, 0, 0, 0, 0)
         else:
@@ -338,7 +332,7 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
             while table_first < n_tensors:
                 idx = table_first + tl.arange(0, TABLE_BLOCK)
                 in_range = idx < n_tensors
-                step_ptrs = tl.load(rows + idx.to(tl.int64) * ROW + STEP, mask=in_range, other=0).to(tl.pointer_type(tl.float32))
+                step_ptrs = tl.load(rows + idx.to(tl.int64) * U_SIZE + U_STEP, mask=in_range, other=0).to(tl.pointer_type(tl.float32))
                 tl.store(step_ptrs, tl.load(step_ptrs, mask=in_range, other=0.0, volatile=True) + 1.0, mask=in_range)
                 table_first += TABLE_BLOCK
             tl.store(retired_ptr, 0)
@@ -449,12 +443,12 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     if scratch is not None and all(map(operator.is_, laid_out, grads)):  # (a copy would move every step)
         source = rows.source
         other_aligned = torch.ones(rows.n_tensors, dtype=torch.int64)
-        for column, tensors in ((PARAM, params), (EXP_AVG, exp_avgs), (EXP_AVG_SQ, exp_avg_sqs),
-                                (MAX_EXP_AVG_SQ, max_exp_avg_sqs), (MASTER, masters)):
+        for column, tensors in ((U_PARAM, params), (U_EXP_AVG, exp_avgs), (U_EXP_AVG_SQ, exp_avg_sqs),
+                                (U_MAX_EXP_AVG_SQ, max_exp_avg_sqs), (U_MASTER, masters)):
             modulus = torch.tensor([1 if t is None else 4 * t.element_size() for t in tensors])
             other_aligned &= (source[:, int(column)] % modulus == 0).long()
         scratch.memo[("update", device)] = (lists, layout, group_of, _tables.ScratchRows(
-            rows, source, list(grads), int(GRAD), int(ALIGNED_ROW), other_aligned, device, scratch.memo), variant)
+            rows, source, list(grads), int(U_GRAD), int(U_ALIGNED), other_aligned, device, scratch.memo), variant)
     return layout, rows, laid_out, variant
 
 
@@ -501,23 +495,27 @@ def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
             slot = slot_of_lr[value] = len(slot_of_lr)
         if slot is not None:
             kind, value, addr = int(LR_SLOT), 0.0, slot
-    flags = (int(AMSGRAD) if h.amsgrad else 0) | (int(MAXIMIZE) if h.maximize else 0)
+    flags = (int(FLAG_AMSGRAD) if h.amsgrad else 0) | (int(FLAG_MAXIMIZE) if h.maximize else 0)
     return (kind, float(value), addr, float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), flags)
 
 
 def _build_group_table(keys, device, keep_alive):
+    host = torch.empty(len(keys), int(G_SIZE), dtype=torch.int64)
     floats = torch.tensor([[k[1], k[3], k[4], k[5], k[6]] for k in keys], dtype=torch.float64).view(torch.int64)
-    ints = torch.tensor([[k[2], k[0], k[7]] for k in keys], dtype=torch.int64)
-    table, pinned = _tables.upload(torch.cat([floats, ints], dim=1).contiguous(), device)
+    for j, column in enumerate((G_LR, G_BETA1, G_BETA2, G_EPS, G_WEIGHT_DECAY)):
+        host[:, int(column)] = floats[:, j]
+    for j, column in ((2, G_LR_PTR), (0, G_LR_KIND), (7, G_FLAGS)):
+        host[:, int(column)] = torch.tensor([k[j] for k in keys], dtype=torch.int64)
+    table, pinned = _tables.upload(host, device)
     return table, pinned, keep_alive
 
 
 # The compact encodings: state dtypes -> _compact_state's codes (exp_avg, exp_avg_sq / max_exp_avg_sq dtype)
-_STATE_KINDS = {(torch.float32, torch.float32): int(CS.STATE_FP32), (torch.bfloat16, torch.bfloat16): int(CS.STATE_BF16),
-                (torch.int8, torch.uint8): int(CS.STATE_INT8)}
-_MASTER_KINDS = {torch.float32: int(CS.MASTER_FP32), torch.int16: int(CS.MASTER_SPLIT16), torch.int8: int(CS.MASTER_SPLIT8)}
+_STATE_KINDS = {(torch.float32, torch.float32): int(MOMENT_F32), (torch.bfloat16, torch.bfloat16): int(MOMENT_BF16),
+                (torch.int8, torch.uint8): int(MOMENT_INT8)}
+_MASTER_KINDS = {torch.float32: int(MASTER_F32), torch.int16: int(MASTER_SPLIT16), torch.int8: int(MASTER_SPLIT8)}
 _SPLIT_PARAMS = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
-_SCALE_BLOCK = int(CS.SCALE_BLOCK)
+_SCALE_BLOCK = int(INT8_BLOCK)
 
 
 def _compact_columns(i, p, m, v, vmax, master, scales, device):
@@ -532,29 +530,29 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
                         f"master), which completes a {' or '.join(map(str, _SPLIT_PARAMS[master.dtype]))} param, "
                         f"not params[{i}] of {p.dtype}")
     addrs = [0, 0, 0]
-    if kind == int(CS.STATE_INT8):
+    if kind == int(MOMENT_INT8):
         if scales is None or len(scales) != 3 or (scales[2] is None) != (vmax is None):
             raise ValueError(f"params[{i}] has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
                              "max_exp_avg_sq_scales or None when there is no max_exp_avg_sq)")
         blocks = -(-p.numel() // _SCALE_BLOCK)
         for j, t in enumerate(scales):
             if t is not None:
-                _tables.check(t, f"moment_scales[{i}][{j}]", device, {torch.float32: 0})
+                _tables.check(t, f"moment_scales[{i}][{j}]", device, {torch.float32: int(DTYPE_F32)})
                 if t.numel() != blocks:
                     raise ValueError(f"moment_scales[{i}][{j}] has {t.numel()} elements; {p.numel()} elements make "
                                      f"{blocks} blocks of {_SCALE_BLOCK}")
                 addrs[j] = t.data_ptr()
     elif scales is not None:
         raise ValueError(f"moment_scales[{i}] is given, but the moments of params[{i}] are not int8 codes")
-    return [_MASTER_KINDS[master.dtype] if master is not None else 0, kind, *addrs]
+    return _MASTER_KINDS[master.dtype] if master is not None else int(MASTER_F32), kind, addrs
 
 
 def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, group_of,
                 group_keys, device):
     low = _tables.DTYPE_CODE
-    fp32 = {torch.float32: 0}
-    moment_dtypes = (fp32, {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2},
-                     {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2})
+    fp32 = {torch.float32: int(DTYPE_F32)}
+    moment_dtypes = (fp32, {torch.float32: int(MOMENT_F32), torch.bfloat16: int(MOMENT_BF16), torch.int8: int(MOMENT_INT8)},
+                     {torch.float32: int(MOMENT_F32), torch.bfloat16: int(MOMENT_BF16), torch.uint8: int(MOMENT_INT8)})
     rows = []
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
@@ -569,7 +567,7 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
         _tables.check(step, f"steps[{i}]", device, fp32)
         if step.numel() != 1:
             raise ValueError(f"steps[{i}] must be 0-d")
-        if group_keys[group_of[i]][7] & int(AMSGRAD) and vmax is None:
+        if group_keys[group_of[i]][7] & int(FLAG_AMSGRAD) and vmax is None:
             raise ValueError(f"params[{i}] is in an amsgrad group but max_exp_avg_sqs[{i}] is None")
         for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
             if t is not None and not _tables.same_flat_layout(t, p):
@@ -579,7 +577,14 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
         for t in (m, v, vmax, master):
             if t is not None:
                 aligned &= _tables.aligned([t.data_ptr()], t.element_size())
-        rows.append([p.data_ptr(), g.data_ptr(), *state_addrs, step.data_ptr(), p.numel(), low[p.dtype], low[g.dtype],
-                     group_of[i], aligned, *compact])
+        row = [0] * int(U_SIZE)
+        for column, addr in zip((U_PARAM, U_GRAD, U_EXP_AVG, U_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ, U_MASTER, U_STEP),
+                                (p.data_ptr(), g.data_ptr(), *state_addrs, step.data_ptr())):
+            row[column] = addr
+        row[U_NUMEL], row[U_PARAM_DTYPE], row[U_GRAD_DTYPE] = p.numel(), low[p.dtype], low[g.dtype]
+        row[U_GROUP], row[U_ALIGNED] = group_of[i], aligned
+        row[U_MASTER_KIND], row[U_MOMENT_KIND], scale_addrs = compact
+        row[U_EXP_AVG_SCALES], row[U_EXP_AVG_SQ_SCALES], row[U_MAX_EXP_AVG_SQ_SCALES] = scale_addrs
+        rows.append(row)
     return rows
 

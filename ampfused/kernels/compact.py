@@ -15,9 +15,9 @@ so the fma the compiler contracts it into gives the same bits: callers may keep 
 import triton
 import triton.language as tl
 
+from ._contract_generated import SIGNED_MANT, SIGNED_ONE, SQRT_MANT, SQRT_ONE
+
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
-SIGNED_MANT, SIGNED_ONE = tl.constexpr(3), tl.constexpr(120)  # exp_avg grid: sign + E4M3, 1.0 = code 120
-SQRT_MANT, SQRT_ONE = tl.constexpr(4), tl.constexpr(240)  # sqrt(exp_avg_sq) grid: E4M4, 1.0 = code 240
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def _encode_unit(y, MANT: tl.constexpr):
     RNE(|y| 2^(14 + MANT)) below 2^-14. (Constants spelled out: the interpreter cannot shift by a constexpr.)"""
     a = tl.abs(y)
     bits = a.to(tl.uint32, bitcast=True)
-    if MANT == 3:
+    if MANT == SIGNED_MANT:
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20).to(tl.int32) - 896  # 112 << 3
         sub = _rint(a * 131072.0).to(tl.int32)  # 2^17
     else:
@@ -145,7 +145,7 @@ def _encode_unit(y, MANT: tl.constexpr):
 @triton.jit
 def _decode_unit(k, MANT: tl.constexpr):
     """Grid code (int32) -> its value in [0, 1], exactly."""
-    if MANT == 3:
+    if MANT == SIGNED_MANT:
         f = k >> 3
         t = k & 7
         normal = (((f + 112) << 23) | (t << 20)).to(tl.float32, bitcast=True)

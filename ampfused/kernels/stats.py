@@ -26,15 +26,10 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _runtime, _tables
+from ._contract_generated import CLIP_EPS, FACTOR, NORM, S_ALIGNED, S_DTYPE, S_GRAD, S_NUMEL, S_SIZE, SKIP, SUMSQ
 from ._memory import load_f32
 
-# row table columns: one row per grad
-GRAD_ADDR, NUMEL, DTYPE, ALIGNED_ROW = map(tl.constexpr, range(4))
-ROW = tl.constexpr(4)
 EXPONENT_BITS = tl.constexpr(0x7F800000)
-# slots of the stats vector (copies of ampfused._contract's: tests/test_contract.py holds them equal)
-NORM, SKIP, FACTOR, SUMSQ = map(tl.constexpr, range(4))
-CLIP_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit
@@ -72,11 +67,11 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
     while c < n_chunks:
         tensor = tl.load(chunks + 2 * c)
         start = tl.load(chunks + 2 * c + 1)
-        row = rows + tensor * ROW
-        addr = tl.load(row + GRAD_ADDR)
-        dtype = tl.load(row + DTYPE)
-        end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
-        if tl.load(row + ALIGNED_ROW) != 0:  # uniform per program: no divergence
+        row = rows + tensor * S_SIZE
+        addr = tl.load(row + S_GRAD)
+        dtype = tl.load(row + S_DTYPE)
+        end = tl.minimum(start + CHUNK, tl.load(row + S_NUMEL))
+        if tl.load(row + S_ALIGNED) != 0:  # uniform per program: no divergence
             acc, bad = _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK, True)
         else:
             acc, bad = _chunk_sums(addr, dtype, start, end, inv_scale, acc, bad, BLOCK, False)
@@ -148,8 +143,8 @@ def _tables_of(grads, device, scratch):
     rows = _tables.row_table("stats", (numels, key), device, lambda: _build_rows(dense, device))
     if scratch is not None and all(map(operator.is_, dense, grads)):  # (a copy would move every step)
         other_aligned = torch.ones(rows.n_tensors, dtype=torch.int64)
-        scratch.memo[("stats", device)] = (layout, _tables.ScratchRows(rows, rows.source, list(grads), int(GRAD_ADDR),
-                                                                        int(ALIGNED_ROW), other_aligned, device,
+        scratch.memo[("stats", device)] = (layout, _tables.ScratchRows(rows, rows.source, list(grads), int(S_GRAD),
+                                                                        int(S_ALIGNED), other_aligned, device,
                                                                         scratch.memo))
     return layout, rows, dense
 
@@ -157,6 +152,9 @@ def _tables_of(grads, device, scratch):
 def _build_rows(grads, device) -> list:
     """One row per grad (the grads come checked: ``ampfused._args.check_grad``)."""
     rows = []
-    for i, g in enumerate(grads):
-        rows.append([g.data_ptr(), g.numel(), _tables.DTYPE_CODE[g.dtype], _tables.aligned([g.data_ptr()], g.element_size())])
-    return rows or [[0, 0, 0, 0]]
+    for g in grads:
+        row = [0] * int(S_SIZE)
+        row[S_GRAD], row[S_NUMEL], row[S_DTYPE] = g.data_ptr(), g.numel(), _tables.DTYPE_CODE[g.dtype]
+        row[S_ALIGNED] = _tables.aligned([g.data_ptr()], g.element_size())
+        rows.append(row)
+    return rows or [[0] * int(S_SIZE)]

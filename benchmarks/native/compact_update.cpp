@@ -88,7 +88,7 @@ cpu::UpdateRange make(const Mode& mode, Buffers& b, const AdamWScalars& s) {
     if (mode.moment_kind == kMomentInt8) {
       b.codes[k].resize(kN);
       for (auto& x : b.codes[k]) x = static_cast<uint8_t>(k == 0 ? rng() % 241 - 120 : rng() % 241);
-      b.scales[k].assign((kN + 255) / 256, k == 0 ? 1e-3f : 1e-2f);  // one per started block
+      b.scales[k].assign((kN + compact::kBlock - 1) / compact::kBlock, k == 0 ? 1e-3f : 1e-2f);  // one per started block
       *moments[k] = reinterpret_cast<float*>(b.codes[k].data());
       *scales[k] = b.scales[k].data();
     } else if (mode.moment_kind == kMomentBF16) {

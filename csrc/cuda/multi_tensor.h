@@ -30,20 +30,13 @@ constexpr int kInlineGroups = 24;  // param groups passed by value; more go thro
 
 static_assert(kChunkSize % (4 * kBlockSize) == 0, "chunks must hold whole 4-wide vectors for every thread");
 
-struct StatsEntry {
-  const void* grad;
-  int64_t numel;
-  int32_t dtype;
-  int32_t aligned;
-};
-
 struct Chunk {
   int32_t tensor;
   int32_t unused;
   int64_t start;
 };
 
-// The update's table holds contract.h's UpdateTensor records, its groups UpdateGroup records.
+// The tables hold contract.h's records: StatsEntry, UpdateTensor, UpdateGroup.
 struct UpdateParams {
   const UpdateTensor* tensors;
   const Chunk* chunks;

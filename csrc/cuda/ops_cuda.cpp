@@ -237,9 +237,9 @@ void point_at_lr(UpdateGroup& group, const at::Tensor& lr, const at::Device& dev
                                                 type == at::kHalf || type == at::kBFloat16);
   at::Tensor lr_t = direct ? lr : lr.to(device, at::kFloat);
   group.lr_ptr = lr_t.data_ptr();
-  group.lr_dtype = lr_t.scalar_type() == at::kDouble ? kLrF64
-                   : lr_t.scalar_type() == at::kHalf ? kF16
-                   : lr_t.scalar_type() == at::kBFloat16 ? kBF16 : kF32;
+  group.lr_kind = lr_t.scalar_type() == at::kDouble ? kLrF64
+                  : lr_t.scalar_type() == at::kHalf ? kLrF16
+                  : lr_t.scalar_type() == at::kBFloat16 ? kLrBF16 : kLrF32;
   if (!direct) temporaries.push_back(lr_t);
 }
 

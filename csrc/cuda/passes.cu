@@ -152,10 +152,10 @@ __device__ void update_chunk_p(const UpdateTensor& t, int64_t begin, int64_t end
 // A group's lr: by value, or read from a device tensor of any float dtype (no cast temporary).
 __device__ double lr_of(const UpdateGroup& h) {
   if (h.lr_ptr == nullptr) return h.lr;
-  switch (h.lr_dtype) {
+  switch (h.lr_kind) {
     case kLrF64: return *static_cast<const double*>(h.lr_ptr);
-    case kF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
-    case kBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
+    case kLrF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
+    case kLrBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
     default: return static_cast<double>(*static_cast<const float*>(h.lr_ptr));
   }
 }

@@ -12,7 +12,6 @@ within a chunk.
 import ctypes
 import os
 import platform
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,28 +20,21 @@ import pytest
 import torch
 
 import test_cuda_compact as T
-from ampfused._contract import FACTOR, SKIP
+from ampfused import _contract
+from ampfused._contract import DTYPE_CODE, FACTOR, SKIP
 
 ROOT = Path(__file__).resolve().parents[2]
-POINTERS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "step", "exp_avg_scales",
-            "exp_avg_sq_scales", "max_exp_avg_sq_scales")
-INTS = ("param_dtype", "grad_dtype", "group", "aligned", "master_kind", "moment_kind", "stochastic", "index")
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-MASTER_KIND = {torch.float32: 0, torch.int16: 1, torch.int8: 2}
-MOMENT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 2}
+MASTER_KIND = {torch.float32: _contract.MASTER_F32, torch.int16: _contract.MASTER_SPLIT16,
+               torch.int8: _contract.MASTER_SPLIT8}
+MOMENT_KIND = {torch.float32: _contract.MOMENT_F32, torch.bfloat16: _contract.MOMENT_BF16,
+               torch.int8: _contract.MOMENT_INT8, torch.uint8: _contract.MOMENT_INT8}
 THREADS = 64
+CTYPES = {"void*": ctypes.c_void_p, "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32}
 
 
 class UpdateTensor(ctypes.Structure):
-    """csrc/contract.h's record (test_record_matches_the_header holds the field order equal)."""
-    _fields_ = [(n, ctypes.c_void_p) for n in POINTERS] + [("numel", ctypes.c_int64)] + [(n, ctypes.c_int32) for n in INTS]
-
-
-def test_record_matches_the_header():
-    text = (ROOT / "csrc" / "contract.h").read_text()
-    body = text[text.index("struct UpdateTensor {"):text.index("};", text.index("struct UpdateTensor {"))]
-    fields = re.findall(r"^\s*[\w*]+\s+\**(\w+);", body, re.MULTILINE)
-    assert fields == [f for f, _ in UpdateTensor._fields_]
+    """The C++ record, field for field from its one definition (csrc/contract_generated.h is generated from it)."""
+    _fields_ = [(f.name, CTYPES[f.ctype]) for f in _contract.UPDATE_TENSOR]
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +78,18 @@ class EmulatedCuda:
             scales = (moment_scales[i] if moment_scales is not None else None) or (None, None, None)
             tensors = [p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, master]
             record = UpdateTensor(
-                *[address(t) for t in tensors], steps[i].data_ptr(), *[address(s) for s in scales], p.numel(),
-                DTYPE_CODE[p.dtype], DTYPE_CODE[grads[i].dtype], group_ids[i],
-                int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
-                MASTER_KIND[master.dtype] if master is not None else 0, MOMENT_KIND[exp_avgs[i].dtype],
-                int(rounding_seed is not None), i)
+                **dict(zip(("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"), map(address, tensors))),
+                step=steps[i].data_ptr(),
+                **dict(zip(("exp_avg_scales", "exp_avg_sq_scales", "max_exp_avg_sq_scales"), map(address, scales))),
+                numel=p.numel(), param_dtype=DTYPE_CODE[p.dtype], grad_dtype=DTYPE_CODE[grads[i].dtype],
+                group=group_ids[i], aligned=int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
+                master_kind=MASTER_KIND[master.dtype] if master is not None else _contract.MASTER_F32,
+                moment_kind=MOMENT_KIND[exp_avgs[i].dtype], stochastic=int(rounding_seed is not None), index=i)
             self.lib.emulated_update(
                 ctypes.byref(record), ctypes.c_double(float(h.lr)), ctypes.c_double(h.beta1), ctypes.c_double(h.beta2),
                 ctypes.c_double(h.eps), ctypes.c_double(h.weight_decay), ctypes.c_float(-factor if h.maximize else factor),
                 ctypes.c_int(grad_scale is not None), ctypes.c_float(unscale),
-                ctypes.c_uint64((rounding_seed or 0) & (2**64 - 1)), ctypes.c_int(record.moment_kind == 2),
+                ctypes.c_uint64((rounding_seed or 0) & (2**64 - 1)), ctypes.c_int(record.moment_kind == _contract.MOMENT_INT8),
                 ctypes.c_int(THREADS))
 
 

@@ -40,13 +40,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
           "_accumulate_kernel": (64, 16384), "stats_kernel": (64, 4096), "update_kernel": (64, 4096),
           "scaler_update_kernel": (64, 1024), "accumulate_kernel": (64, 1024)}
+REGISTER_UNIT = 256  # sm_90 allocates a warp's registers in units of 256
 SM90 = dict(regs=65536, threads=2048, blocks=32, smem=233472, smem_reserved=1024)
 
 
 def occupancy(regs: int, threads: int, smem: int) -> tuple[int, float]:
     """Resident blocks per SM on sm_90 and the fraction of its 64 warps they fill."""
     warps = -(-threads // 32)
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    regs_per_warp = -(-max(regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
     by_regs = SM90["regs"] // (regs_per_warp * warps)
     by_threads = SM90["threads"] // (warps * 32)
     by_smem = SM90["smem"] // (smem + SM90["smem_reserved"])
@@ -183,7 +184,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         return kernel
 
     JITFunction.run = warmup_instead
-    from ampfused._contract import Hyper
+    from ampfused._contract import INT8_BLOCK, Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
     assert not _runtime.INTERPRET, "TRITON_INTERPRET is set: these would be interpreter sizes"
@@ -237,13 +238,14 @@ def compact_updates(adamw, hyper, numels):
     """The update's compact variants (DESIGN §9): split16 alone (the most common), bf16 moments with
     stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
     import torch
+    from ampfused._contract import INT8_BLOCK
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
         p = torch.zeros(n, dtype=param_dtype)
         master = None if master_dtype is None else torch.zeros(n, dtype=master_dtype)
         if state_dtype == "int8":
             moments = [torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)]
-            blocks = -(-n // 256)
+            blocks = -(-n // INT8_BLOCK)
             scales = (torch.zeros(blocks), torch.zeros(blocks), None)
         else:
             moments, scales = [torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)], None
