@@ -334,10 +334,11 @@ def load_store_order(instructions: list[tuple[int, str]]) -> list[str]:
         return ["no innermost loop (the rule cannot see the group loop)"]
     a, b = max(loops, key=lambda loop: loop[1] - loop[0])
     body = [(addr, text) for addr, text in instructions if a <= addr <= b]
-    stores = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?STG", t)]
-    vector_loads = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?LDG\.E\.(64|128)\b", t)]
+    # global or generic (the `global` rule asks for the former; this one holds for either)
+    stores = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?STG?\.E\b", t)]
+    vector_loads = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?LDG?\.E\.(64|128)\b", t)]
     if not stores or not vector_loads:
-        return [f"group loop {a:#x}-{b:#x}: no STG or no vector LDG (the rule cannot see the loop)"]
+        return [f"group loop {a:#x}-{b:#x}: no store or no vector load (the rule cannot see the loop)"]
     return [f"group loop: a vector load at {addr:#x} after the first store ({stores[0]:#x})"
             for addr in vector_loads if addr > stores[0]]
 
@@ -488,6 +489,14 @@ def cuda_tables(rows: list[dict], probes: dict[str, tuple[int, int]]) -> str:
     return "\n".join(lines)
 
 
+def nvcc_release() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return "no nvcc"
+    m = re.search(r"release ([0-9.]+)", run([nvcc, "--version"]))
+    return f"nvcc {m.group(1)}" if m else "nvcc"
+
+
 def source_tree() -> str:
     import ampfused
 
@@ -534,8 +543,8 @@ def main() -> int:
 
         args.out.write_text(
             "# sm_90 offline compile of every kernel\n\n"
-            f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; nvcc for "
-            "passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
+            f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; "
+            f"{nvcc_release()} for passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
             f"One source tree for both compilers: the checkout ({tree}), its ampfused/kernels for Triton and its csrc/ for nvcc. "
             "Occupancy is computed from registers, threads and shared memory for an H100/H200 SM "
             "(65536 registers, 64 warps, 32 blocks, 228 KB). Budgets and rules: the docstring of the script.\n\n"
