@@ -27,13 +27,21 @@
 #define AMPFUSED_HD inline __attribute__((always_inline))
 #endif
 
+// [note: no contraction] nvcc contracts a*b + c into one fma by default (--fmad=true), in double
+// too; the host builds are compiled with -ffp-contract=off. Every product that feeds a sum in code
+// both sides compile is written with these, so each rounds where torch rounds, by construction
+// (tests/contract/sm90_compile.py compiles each scalar routine alone and finds no contracted fma).
 #if defined(__CUDA_ARCH__)
 #define AMPFUSED_MUL(a, b) __fmul_rn((a), (b))
 #define AMPFUSED_ADD(a, b) __fadd_rn((a), (b))
 #define AMPFUSED_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#define AMPFUSED_DMUL(a, b) __dmul_rn((a), (b))
+#define AMPFUSED_DSUB(a, b) __dsub_rn((a), (b))
 #else
 #define AMPFUSED_MUL(a, b) ((a) * (b))
 #define AMPFUSED_ADD(a, b) ((a) + (b))
+#define AMPFUSED_DMUL(a, b) ((a) * (b))
+#define AMPFUSED_DSUB(a, b) ((a) - (b))
 #if defined(__FMA__) || defined(__aarch64__) || defined(AMPFUSED_HAVE_FMA)
 // ATen's Vectorized<float>::fmadd is a hardware fma wherever the ISA has one ... (AMPFUSED_HAVE_FMA:
 // set by the per-ISA CPU files, since g++ does not update __FMA__ after `#pragma GCC target`)
@@ -90,7 +98,7 @@ AMPFUSED_HD double pow_step(double beta, float t) {
       lo = __dsub_rn(e, __dsub_rn(hi, p));
     }
     const double p = __dmul_rn(base_hi, base_hi);
-    const double e = __fma_rn(base_hi, base_hi, -p) + 2.0 * __dmul_rn(base_hi, base_lo);
+    const double e = __dadd_rn(__fma_rn(base_hi, base_hi, -p), __dmul_rn(2.0, __dmul_rn(base_hi, base_lo)));
     base_hi = __dadd_rn(p, e);
     base_lo = __dsub_rn(e, __dsub_rn(base_hi, p));
   }
@@ -106,7 +114,7 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
   const double bias_correction1 = 1.0 - pow_step(beta1, t);
   const double bias_correction2 = 1.0 - pow_step(beta2, t);
   const float weight = static_cast<float>(1.0 - beta1);
-  s.decay = static_cast<float>(1.0 - lr * weight_decay);
+  s.decay = static_cast<float>(AMPFUSED_DSUB(1.0, AMPFUSED_DMUL(lr, weight_decay)));  // the product rounded first
   s.lerp_from_m = fabsf(weight) < 0.5f;
   s.lerp_coeff = s.lerp_from_m ? weight : weight - 1.0f;
   s.beta2 = static_cast<float>(beta2);

@@ -155,7 +155,8 @@ AMPFUSED_HD void split8(float master, bool fp16, uint16_t& param_bits, int8_t& r
 AMPFUSED_HD float join8(uint16_t param_bits, bool fp16, int8_t residual) {
   const float p = param16_to_float(param_bits, fp16);
   if (residual == 0) return p;
-  return p + scale_pow2(static_cast<float>(residual), ulp_exponent16(param_bits, fp16) - 8);  // exact
+  // exact; unfused all the same, as every sum in device code ([note: no contraction] in adamw_math.h)
+  return AMPFUSED_ADD(p, scale_pow2(static_cast<float>(residual), ulp_exponent16(param_bits, fp16) - 8));
 }
 
 // ------------------------------------------------------------------ int8 moments

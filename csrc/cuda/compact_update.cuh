@@ -23,6 +23,21 @@
 
 namespace ampfused {
 namespace cuda {
+
+// [note: global accesses] Tensor pointers reach the kernels through a device table or a copy of a
+// record, so the compiler cannot tell their space and emits generic LD/ST, which the SM must
+// resolve against the shared and local windows first and which may alias shared memory as far as
+// the compiler knows. Every tensor access goes through global(), which tells it (LDG/STG in the SASS;
+// tests/contract/sm90_compile.py counts them). It is applied where the pointer is dereferenced, so
+// a null pointer never meets the assumption. On the host (the emulation) it is the identity.
+template <typename T>
+__device__ __forceinline__ T* global(T* p) {
+#if defined(__CUDA_ARCH__)
+  __builtin_assume(__isGlobal(p));
+#endif
+  return p;
+}
+
 namespace compact_pass {
 
 constexpr int kWarp = 32;
@@ -44,6 +59,7 @@ struct alignas(4 * sizeof(T)) Raw4 {
 // Elements [0, n) of the 4 at p into out (the rest keep their values); one vector access when vec and n == 4.
 template <typename T>
 __device__ __forceinline__ void load_part(const T* p, int n, bool vec, T out[4]) {
+  p = global(p);
   if (vec && n == 4) {
     const Raw4<T> r = *reinterpret_cast<const Raw4<T>*>(p);
 #pragma unroll
@@ -58,6 +74,7 @@ __device__ __forceinline__ void load_part(const T* p, int n, bool vec, T out[4])
 
 template <typename T>
 __device__ __forceinline__ void store_part(T* p, int n, bool vec, const T in[4]) {
+  p = global(p);
   if (vec && n == 4) {
     Raw4<T> r;
 #pragma unroll
@@ -183,7 +200,7 @@ __device__ __forceinline__ void store_int8_group(float* base, bool signed_codes,
   // every lane read the old scale (load_moment) before it gave its magnitude to the shuffles, which
   // all lanes reach before any goes on: lane 0's write cannot overtake another lane's read
   const float scale = warp_max(magnitude);
-  if (threadIdx.x % kWarp == 0) scales[group] = scale;
+  if (threadIdx.x % kWarp == 0) global(scales)[group] = scale;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (signed_codes) {
@@ -238,18 +255,27 @@ __device__ __forceinline__ void store_weights(const UpdateTensor& t, int64_t at,
 
 // ------------------------------------------------------------------ the chunk
 
+// One lane's 4 elements of a part: the decoded inputs, then the new values.
+struct Part {
+  float w[4], g[4], m[4], v[4], vmax[4];
+};
+
 // Elements [begin, end) of compact tensor t (begin a multiple of kGroup), by every thread of the
 // block; write_grad: the unscaled gradient g * unscale goes back into the grad (DESIGN §2.7).
-// seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that also serves
-// int8 moments.
+// seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that serves
+// int8 moments (ops_cuda.cpp launches it for those tensors alone).
 //
-// [note: compact registers] A lane's two parts are stepped one after the other (load, math, grad,
-// weights and, unless int8, moments), so one part's working set is live at a time, plus, for
-// int8, the group's new moments (24 floats a lane), which wait in registers for their scales. They
-// make the int8 variant's 112 registers (one block of 512 per SM, against two for the others:
-// docs/results/sm90-kernels.md). Stepping the moments twice instead (the maxima first, then the
-// whole step, reading the group again from L1) took 90 registers, still one block per SM, and
-// capping at 64 spilled in the loop.
+// [note: compact registers] A lane issues both parts' loads (grad, weights, moments) before any
+// store, so a warp has its whole group in flight at once; the pointers may alias as far as the
+// compiler knows, so it keeps the source order, which is what puts the loads first
+// (tests/contract/sm90_compile.py checks the SASS). That holds both parts' working sets, and for
+// int8 moments the group's new moments wait in registers for their scales: both compact variants
+// take ~125-128 registers, one block of 512 per SM, with 2x (compact) / 1.3x (int8) the bytes in
+// flight per SM that HBM needs by Little's law (docs/results/sm90-kernels.md). Stepping the parts
+// one after the other, the compact variant also took ~128 (the global-space stores no longer alias
+// the shared record, so its fields stay in registers) with half the bytes in flight; held to 64
+// registers (two blocks), it spilled ~500 B inside the loop. The record and the scalars are the
+// kernel's shared copies: the loop reads the few fields the compiler does not keep (LDS).
 template <bool INT8>
 __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s,
                                              float factor, bool write_grad, float unscale, uint64_t seed) {
@@ -277,34 +303,40 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
     const int64_t group = base / kGroup;
     float scale_m = 0.0f, scale_v = 0.0f, scale_vmax = 0.0f;
     if (int8) {
-      scale_m = t.exp_avg_scales[group];
-      scale_v = t.exp_avg_sq_scales[group];
-      if (amsgrad) scale_vmax = t.max_exp_avg_sq_scales[group];
+      scale_m = global(t.exp_avg_scales)[group];
+      scale_v = global(t.exp_avg_sq_scales)[group];
+      if (amsgrad) scale_vmax = global(t.max_exp_avg_sq_scales)[group];
     }
-    float m8[8], v8[8], vmax8[8];  // the new int8 moments of the group, until its scales are known
+    Part part[2];
+    auto load = [&](int h) {
+      Part& q = part[h];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; ++j) q.w[j] = q.g[j] = q.m[j] = q.v[j] = q.vmax[j] = 0.0f;
       const int64_t at = l.at[h];
       const int n = l.n[h];
-      float w[4] = {}, g[4] = {}, m[4] = {}, v[4] = {}, vmax[4] = {};
-      load_floats(t.grad, t.grad_dtype, at, n, vec, g);
-      load_weights(t, at, n, vec, w);
-      load_moment(t.exp_avg, t.moment_kind, true, scale_m, at, n, vec, m);
-      load_moment(t.exp_avg_sq, t.moment_kind, false, scale_v, at, n, vec, v);
-      if (amsgrad) load_moment(t.max_exp_avg_sq, t.moment_kind, false, scale_vmax, at, n, vec, vmax);
+      load_floats(t.grad, t.grad_dtype, at, n, vec, q.g);
+      load_weights(t, at, n, vec, q.w);
+      load_moment(t.exp_avg, t.moment_kind, true, scale_m, at, n, vec, q.m);
+      load_moment(t.exp_avg_sq, t.moment_kind, false, scale_v, at, n, vec, q.v);
+      if (amsgrad) load_moment(t.max_exp_avg_sq, t.moment_kind, false, scale_vmax, at, n, vec, q.vmax);
+    };
+    auto step_and_store = [&](int h) {
+      Part& q = part[h];
+      const int64_t at = l.at[h];
+      const int n = l.n[h];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float gj = __fmul_rn(g[j], factor);
+        const float gj = __fmul_rn(q.g[j], factor);
         if (amsgrad) {
-          adamw_element<true>(w[j], gj, m[j], v[j], vmax[j], s);
+          adamw_element<true>(q.w[j], gj, q.m[j], q.v[j], q.vmax[j], s);
         } else {
-          adamw_element<false>(w[j], gj, m[j], v[j], vmax[j], s);
+          adamw_element<false>(q.w[j], gj, q.m[j], q.v[j], q.vmax[j], s);
         }
       }
       if (write_grad) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) g[j] = __fmul_rn(g[j], unscale);
-        store_floats(t.grad, t.grad_dtype, at, n, vec, g);
+        for (int j = 0; j < 4; ++j) q.g[j] = __fmul_rn(q.g[j], unscale);
+        store_floats(t.grad, t.grad_dtype, at, n, vec, q.g);
       }
       // the random words of the elements (compact_random.h): a = (exp_avg, exp_avg_sq), b = (max_exp_avg_sq, param)
       uint32_t rand_a[4] = {0u, 0u, 0u, 0u}, rand_b[4] = {0u, 0u, 0u, 0u};
@@ -314,21 +346,25 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
         if (sr_moments) rand_a[j] = compact::random_bits(k, keys.k[0], keys.k[1]);
         if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_bits(k, keys.k[2], keys.k[3]);
       }
-      store_weights(t, at, n, vec, w, sr_param, rand_b);
-      if (INT8 && int8) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          m8[4 * h + j] = m[j];
-          v8[4 * h + j] = v[j];
-          vmax8[4 * h + j] = vmax[j];
-        }
-      } else {
-        store_moment(t.exp_avg, t.moment_kind, at, n, vec, m, sr_moments, rand_a, 0);
-        store_moment(t.exp_avg_sq, t.moment_kind, at, n, vec, v, sr_moments, rand_a, 16);
-        if (amsgrad) store_moment(t.max_exp_avg_sq, t.moment_kind, at, n, vec, vmax, sr_moments, rand_b, 0);
+      store_weights(t, at, n, vec, q.w, sr_param, rand_b);
+      if (!int8) {  // int8 moments wait for the group's scales (below)
+        store_moment(t.exp_avg, t.moment_kind, at, n, vec, q.m, sr_moments, rand_a, 0);
+        store_moment(t.exp_avg_sq, t.moment_kind, at, n, vec, q.v, sr_moments, rand_a, 16);
+        if (amsgrad) store_moment(t.max_exp_avg_sq, t.moment_kind, at, n, vec, q.vmax, sr_moments, rand_b, 0);
       }
-    }
+    };
+    load(0);  // both parts' loads, then the stores ([note: compact registers])
+    load(1);
+    step_and_store(0);
+    step_and_store(1);
     if (INT8 && int8) {  // warp-uniform: every lane of the warp reaches the shuffles
+      float m8[8], v8[8], vmax8[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        m8[e] = part[e / 4].m[e % 4];
+        v8[e] = part[e / 4].v[e % 4];
+        vmax8[e] = part[e / 4].vmax[e % 4];
+      }
       store_int8_group(t.exp_avg, true, t.exp_avg_scales, group, l, vec, m8);
       store_int8_group(t.exp_avg_sq, false, t.exp_avg_sq_scales, group, l, vec, v8);
       if (amsgrad) store_int8_group(t.max_exp_avg_sq, false, t.max_exp_avg_sq_scales, group, l, vec, vmax8);

@@ -66,11 +66,12 @@ struct StatsParams {
 };
 
 // Defined in passes.cu; they return the launch's error (cudaSuccess when it was queued).
-// The update kernel's variants: a call's tensors decide which one it launches (ops_cuda.cpp).
+// The update kernel's variants: each serves the tensors its comment names, in a launch of its own
+// ([note: a launch per variant] in ops_cuda.cpp).
 enum UpdateVariant : int {
   kUpdatePlain = 0,        // no compact state (contract.h's is_compact)
-  kUpdateCompact = 1,      // compact masters, bf16 moments, stochastic rounding
-  kUpdateCompactInt8 = 2,  // and int8 moments
+  kUpdateCompact = 1,      // compact masters, bf16 moments, stochastic rounding, not int8 moments
+  kUpdateCompactInt8 = 2,  // int8 moments (with any master)
 };
 
 cudaError_t launch_update(const UpdateParams& params, UpdateVariant variant, int grid, cudaStream_t stream);

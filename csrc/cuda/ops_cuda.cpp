@@ -254,12 +254,32 @@ void adamw_update_cuda(const UpdateCall& call) {
               "ampfused::adamw_update (CUDA): stochastic rounding (a rounding_seed) cannot be captured in a CUDA graph: "
               "every replay would reuse the captured seed; capture with stochastic_rounding=False");
 
-  std::vector<int64_t> numels;
-  std::vector<int64_t> key{2, device.index()};  // 2: update entries
-  numels.reserve(call.tensors.size());
-  key.reserve(2 + 13 * call.tensors.size());
-  UpdateVariant variant = kUpdatePlain;
-  for (const UpdateTensor& t : call.tensors) {
+  // [note: a launch per variant] Each variant of the update kernel (multi_tensor.h) runs over the
+  // tensors it serves alone, one launch each on the stream, plain first: registers are a kernel's,
+  // so a single launch of the int8 variant (one block of 512 per SM) would hold every fp32 and bf16
+  // tensor of the step to its occupancy too. The table lists the tensors grouped by variant, and
+  // each launch gets its slice (records, chunk layout, step counters to advance); a tensor's random
+  // bits are keyed by its record's index, not its place in the table, so the order changes nothing
+  // (docs/results/sm90-kernels.md: registers, blocks and bytes in flight per SM of each variant).
+  constexpr int kVariants = 3;
+  auto variant_of = [](const UpdateTensor& t) {
+    return t.moment_kind == kMomentInt8 ? kUpdateCompactInt8 : is_compact(t) ? kUpdateCompact : kUpdatePlain;
+  };
+  std::vector<UpdateTensor> ordered;
+  ordered.reserve(call.tensors.size());
+  std::vector<int64_t> numels[kVariants];
+  int32_t counts[kVariants] = {0, 0, 0};
+  for (int v = 0; v < kVariants; ++v) {
+    for (const UpdateTensor& t : call.tensors) {
+      if (variant_of(t) != v) continue;
+      ordered.push_back(t);
+      numels[v].push_back(t.numel);
+      ++counts[v];
+    }
+  }
+  std::vector<int64_t> key{2, device.index()};  // 2: update entries (in the order of `ordered`)
+  key.reserve(2 + 13 * ordered.size());
+  for (const UpdateTensor& t : ordered) {
     for (const void* ptr : {static_cast<const void*>(t.param), static_cast<const void*>(t.grad),
                             static_cast<const void*>(t.exp_avg), static_cast<const void*>(t.exp_avg_sq),
                             static_cast<const void*>(t.max_exp_avg_sq), static_cast<const void*>(t.master),
@@ -272,17 +292,10 @@ void adamw_update_cuda(const UpdateCall& call) {
     key.push_back((static_cast<int64_t>(t.group) << 8) | (t.param_dtype << 4) | t.grad_dtype);
     // the encodings: the same pointers may hold another kind after a state change
     key.push_back((t.master_kind << 8) | (t.moment_kind << 4) | t.stochastic);
-    numels.push_back(t.numel);
-    if (t.moment_kind == kMomentInt8) {
-      variant = kUpdateCompactInt8;
-    } else if (is_compact(t) && variant == kUpdatePlain) {
-      variant = kUpdateCompact;
-    }
+    key.push_back(t.index);  // the random bits' key: the same pointers may come in another order
   }
-  // the grid depends on the variant's occupancy: a layout per variant (12, 13, 14)
-  std::shared_ptr<Table> layout = layout_for(12 + variant, device, numels, update_blocks_per_sm(variant));
   std::shared_ptr<Table> table = cached_table(key, [&] {
-    return upload(key, call.tensors.data(), static_cast<int64_t>(call.tensors.size() * sizeof(UpdateTensor)), device);
+    return upload(key, ordered.data(), static_cast<int64_t>(ordered.size() * sizeof(UpdateTensor)), device);
   });
 
   // Group hyperparameters: by value in the launch (they change every step under a scheduler).
@@ -292,10 +305,6 @@ void adamw_update_cuda(const UpdateCall& call) {
     if (call.lr_tensors[j].defined()) point_at_lr(groups[j], call.lr_tensors[j], device, keep_alive);
   }
   UpdateParams p{};
-  p.tensors = static_cast<const UpdateTensor*>(table->data());
-  p.chunks = static_cast<const Chunk*>(layout->data());
-  p.n_chunks = layout->n_chunks;
-  p.n_tensors = static_cast<int32_t>(call.tensors.size());
   p.n_groups = static_cast<int32_t>(groups.size());
   p.stats = call.stats.data_ptr<float>();
   const at::Tensor launch_scratch = scratch_or_fresh(call.scratch, device, "ampfused::adamw_update");
@@ -315,7 +324,20 @@ void adamw_update_cuda(const UpdateCall& call) {
     keep_alive.push_back(host);
     p.groups = static_cast<const UpdateGroup*>(group_table.data_ptr());
   }
-  C10_CUDA_CHECK(launch_update(p, variant, layout->grid, stream));
+  const UpdateTensor* records = static_cast<const UpdateTensor*>(table->data());
+  for (int v = 0; v < kVariants; ++v) {
+    if (counts[v] == 0) continue;
+    const UpdateVariant variant = static_cast<UpdateVariant>(v);
+    // the grid depends on the variant's occupancy: a layout per variant (12, 13, 14)
+    std::shared_ptr<Table> layout = layout_for(12 + v, device, numels[v], update_blocks_per_sm(variant));
+    p.tensors = records;
+    p.n_tensors = counts[v];
+    p.chunks = static_cast<const Chunk*>(layout->data());
+    p.n_chunks = layout->n_chunks;
+    // launches of one stream run one after the other: each finds the counter reset by the last
+    C10_CUDA_CHECK(launch_update(p, variant, layout->grid, stream));
+    records += counts[v];
+  }
   if (group_table.defined()) keep_alive.push_back(group_table);
   keep_for_graphs(std::move(keep_alive));
 }

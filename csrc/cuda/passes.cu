@@ -28,7 +28,7 @@ struct alignas(4 * sizeof(T)) Pack4 {
 
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float out[4]) {
-  const Pack4<T> pack = *reinterpret_cast<const Pack4<T>*>(p);
+  const Pack4<T> pack = *global(reinterpret_cast<const Pack4<T>*>(p));  // [note: global accesses]
 #pragma unroll
   for (int j = 0; j < 4; ++j) out[j] = to_float(pack.v[j]);
 }
@@ -38,7 +38,7 @@ __device__ __forceinline__ void store4(T* p, const float in[4]) {
   Pack4<T> pack;
 #pragma unroll
   for (int j = 0; j < 4; ++j) pack.v[j] = from_float<T>(in[j]);
-  *reinterpret_cast<Pack4<T>*>(p) = pack;
+  *global(reinterpret_cast<Pack4<T>*>(p)) = pack;
 }
 
 // Deterministic block-wide sum (fixed shuffle tree, then warp sums in order). All threads call it.
@@ -121,21 +121,21 @@ __device__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, 
     scalar_begin = begin + 4 * n4;
   }
   for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
-    float w = has_master ? master[i] : to_float(param[i]);
-    float mi = m[i], vi = v[i], vmaxi = amsgrad ? vmax[i] : 0.0f;
-    const float graw = to_float(grad[i]);
+    float w = has_master ? global(master)[i] : to_float(global(param)[i]);
+    float mi = global(m)[i], vi = global(v)[i], vmaxi = amsgrad ? global(vmax)[i] : 0.0f;
+    const float graw = to_float(global(grad)[i]);
     const float gi = __fmul_rn(graw, factor);
-    if (write_grad) grad[i] = from_float<G>(__fmul_rn(graw, unscale));
+    if (write_grad) global(grad)[i] = from_float<G>(__fmul_rn(graw, unscale));
     if (amsgrad) {
       adamw_element<true>(w, gi, mi, vi, vmaxi, s);
-      vmax[i] = vmaxi;
+      global(vmax)[i] = vmaxi;
     } else {
       adamw_element<false>(w, gi, mi, vi, vmaxi, s);
     }
-    m[i] = mi;
-    v[i] = vi;
-    if (has_master) master[i] = w;
-    param[i] = from_float<P>(w);
+    global(m)[i] = mi;
+    global(v)[i] = vi;
+    if (has_master) global(master)[i] = w;
+    global(param)[i] = from_float<P>(w);
   }
 }
 
@@ -153,42 +153,47 @@ __device__ void update_chunk_p(const UpdateTensor& t, int64_t begin, int64_t end
 __device__ double lr_of(const UpdateGroup& h) {
   if (h.lr_ptr == nullptr) return h.lr;
   switch (h.lr_kind) {
-    case kLrF64: return *static_cast<const double*>(h.lr_ptr);
-    case kLrF16: return static_cast<double>(to_float(*static_cast<const Half*>(h.lr_ptr)));
-    case kLrBF16: return static_cast<double>(to_float(*static_cast<const BFloat16*>(h.lr_ptr)));
-    default: return static_cast<double>(*static_cast<const float*>(h.lr_ptr));
+    case kLrF64: return *global(static_cast<const double*>(h.lr_ptr));
+    case kLrF16: return static_cast<double>(to_float(*global(static_cast<const Half*>(h.lr_ptr))));
+    case kLrBF16: return static_cast<double>(to_float(*global(static_cast<const BFloat16*>(h.lr_ptr))));
+    default: return static_cast<double>(*global(static_cast<const float*>(h.lr_ptr)));
   }
 }
 
-// VARIANT (multi_tensor.h's UpdateVariant): a call with compact tensors (contract.h's is_compact)
-// launches a compact variant, which sends their chunks to compact_update.cuh, the one with int8
-// moments only when one has them; a call without takes the plain variant. Registers are a
-// kernel's, so each variant keeps the occupancy of its own code (docs/results/sm90-kernels.md).
+// VARIANT (multi_tensor.h's UpdateVariant): ops_cuda.cpp launches each variant over the tensors it
+// serves alone ([note: a launch per variant] there): the plain one over fp32-state tensors, the
+// compact ones (compact_update.cuh) over the compact tensors (contract.h's is_compact), the int8
+// one over those with int8 moments. Registers are a kernel's, so each variant's tensors run at the
+// occupancy of its own code (docs/results/sm90-kernels.md).
+// [note: update occupancy] The plain variant is held to two blocks of 512 per SM (64 registers),
+// which its loops fit without a spill; the compact ones hold a whole group a lane and take one
+// ([note: compact registers] in compact_update.cuh).
 template <int VARIANT>
-__global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constant__ UpdateParams p) {
+__global__ void __launch_bounds__(kBlockSize, VARIANT == kUpdatePlain ? 2 : 1)
+    update_kernel(const __grid_constant__ UpdateParams p) {
   constexpr bool COMPACT = VARIANT != kUpdatePlain;
   if (p.stats[kStatsSkip] != 0.0f) return;  // skipped step: every block leaves at once, nothing is written
   const float factor = p.stats[kStatsFactor];
   const bool write_grad = p.grad_scale != nullptr;  // else the grads stay as they are
-  const float unscale = inv_scale_of(p.grad_scale);
-  const UpdateGroup* groups = p.groups != nullptr ? p.groups : p.inline_groups;
+  const float unscale = write_grad ? inv_scale_of(global(p.grad_scale)) : 1.0f;
   __shared__ AdamWScalars chunk_scalars;
-  __shared__ UpdateTensor chunk_tensor;  // the compact path reads its record here, not from registers
+  __shared__ UpdateTensor chunk_tensor;  // the compact variants' record: [note: compact registers]
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
-    const UpdateTensor t = p.tensors[chunk.tensor];
-    const UpdateGroup& h = groups[t.group];
+    const UpdateTensor t = p.tensors[chunk.tensor];  // the plain loops keep it in registers
+    // by value, from the device table or the kernel's parameters (a generic pointer could be either)
+    const UpdateGroup h = p.groups != nullptr ? global(p.groups)[t.group] : p.inline_groups[t.group];
     // the per-tensor scalars (two fp64 powers) once per block and chunk, not in every thread
     __syncthreads();  // every thread has copied the previous chunk's scalars
     if (threadIdx.x == 0) {
-      chunk_scalars = adamw_scalars(lr_of(h), h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*t.step, 1.0f));
+      chunk_scalars = adamw_scalars(lr_of(h), h.beta1, h.beta2, h.eps, h.weight_decay, __fadd_rn(*global(t.step), 1.0f));
       if (COMPACT) chunk_tensor = t;
     }
     __syncthreads();
     const AdamWScalars s = chunk_scalars;
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
     const int64_t end = min(chunk.start + kChunkSize, t.numel);
-    if (COMPACT && is_compact(t)) {
+    if (COMPACT && is_compact(t)) {  // (every tensor of a compact launch is)
       compact_pass::update_chunk<VARIANT == kUpdateCompactInt8>(chunk_tensor, chunk.start, end, chunk_scalars, f,
                                                                  write_grad, unscale, p.rounding_seed);
       continue;
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(kBlockSize) update_kernel(const __grid_constan
   // Every block has read the step counters it needed: the last one advances them all.
   if (last_block_done(p.counter)) {
     for (int i = threadIdx.x; i < p.n_tensors; i += blockDim.x) {
-      float* step = p.tensors[i].step;
+      float* step = global(p.tensors[i].step);
       *step = __fadd_rn(*step, 1.0f);
     }
     if (threadIdx.x == 0) *p.counter = 0;
@@ -249,7 +254,7 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
     scalar_begin = begin + 4 * n4;
   }
   for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float u = __fmul_rn(to_float(g[i]), inv);
+    const float u = __fmul_rn(to_float(global(g)[i]), inv);
     acc = __fmaf_rn(u, u, acc);
     bad += is_finite_f32(u) ? 0.0f : 1.0f;
   }
@@ -257,7 +262,7 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
 
 __global__ void __launch_bounds__(kBlockSize) stats_kernel(const __grid_constant__ StatsParams p) {
   __shared__ double shared[kBlockSize / 32];
-  const float inv = inv_scale_of(p.grad_scale);
+  const float inv = p.grad_scale != nullptr ? inv_scale_of(global(p.grad_scale)) : 1.0f;
   double acc = 0.0, bad = 0.0;
   for (int64_t c = blockIdx.x; c < p.n_chunks; c += gridDim.x) {
     const Chunk chunk = p.chunks[c];
@@ -275,21 +280,21 @@ __global__ void __launch_bounds__(kBlockSize) stats_kernel(const __grid_constant
   const double block = block_sum(acc, shared);
   const double block_bad = block_sum(bad, shared);
   if (threadIdx.x == 0) {
-    p.partials[2 * blockIdx.x] = block;
-    p.partials[2 * blockIdx.x + 1] = block_bad;
+    global(p.partials)[2 * blockIdx.x] = block;
+    global(p.partials)[2 * blockIdx.x + 1] = block_bad;
   }
   if (last_block_done(p.counter)) {
     // the final reduction is block-wide: each thread adds a strided share of the partials
     double x = 0.0, y = 0.0;
     for (int i = threadIdx.x; i < static_cast<int>(gridDim.x); i += blockDim.x) {
-      x += static_cast<volatile double*>(p.partials)[2 * i];
-      y += static_cast<volatile double*>(p.partials)[2 * i + 1];
+      x += static_cast<volatile double*>(global(p.partials))[2 * i];
+      y += static_cast<volatile double*>(global(p.partials))[2 * i + 1];
     }
     const double total = block_sum(x, shared);
     const double total_bad = block_sum(y, shared);
     if (threadIdx.x == 0) {
-      finish_stats(static_cast<float>(total), !(total_bad == 0.0), p.found_inf, inv, p.clip != 0, p.max_grad_norm, p.stats,
-                   p.check_nonfinite != 0);
+      finish_stats(static_cast<float>(total), !(total_bad == 0.0), p.found_inf != nullptr ? global(p.found_inf) : nullptr, inv,
+                   p.clip != 0, p.max_grad_norm, global(p.stats), p.check_nonfinite != 0);
       *p.counter = 0;
     }
   }

@@ -389,7 +389,9 @@ def test_compact_step_is_two_launches_and_never_syncs():
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert sum("update_kernel" in n for n in names) == 1, names
+    # one update launch per variant ([note: a launch per variant] in csrc/cuda/ops_cuda.cpp): the two
+    # int8-moment tensors, and the two below the int8 threshold (split8 masters, fp32 moments)
+    assert sum("update_kernel" in n for n in names) == 2, names
     assert sum("stats_kernel" in n for n in names) == 1, names
 
 

@@ -8,7 +8,9 @@ sizes) is turned into ``warmup``: the configurations compiled are exactly those 
 (constexprs, specialization of ints and pointer alignment, num_warps, maxnreg, fp fusion), with
 ``EMULATE_FMA=False`` as on a GPU. ptxas (Triton's own, from its wheel) compiles the PTX with
 ``-v``; the SASS comes from Triton's cuobjdump. CUDA: ``csrc/cuda/passes.cu`` (ATen-free) with
-``nvcc -arch=sm_90 -Xptxas -v`` when nvcc is found.
+``nvcc -arch=sm_90 -Xptxas -v`` when nvcc is found, and the probes of ``sm90_probes.cu``.
+One source tree: the Triton kernels are imported from this checkout (ROOT, put first on sys.path
+and checked), the same one whose csrc/ nvcc compiles; the script prints which, and the table says it.
 
 Rules (each failure is printed; see [note: rules]):
   flags    no self-subtraction ``sub.f32 x, a, a`` in any PTX; the stats kernel tests the exponent
@@ -20,6 +22,17 @@ Rules (each failure is printed; see [note: rules]):
            loops may not.
   budget   registers and shared memory per kernel at most BUDGET below.
   pow      no ``__internal_accurate_pow`` in the CUDA update kernel.
+  global   no generic LD/ST in the CUDA update and stats kernels: tensor data moves with LDG/STG
+           ([note: global accesses] in csrc/cuda/compact_update.cuh); no LDS inside an innermost
+           loop of the plain update variant (its record and scalars are read once, into registers;
+           the compact variants read theirs from shared memory: [note: compact registers]).
+  order    in the compact update variants' group loop (their largest innermost loop), every
+           vector load of tensor data comes before the first store ([note: compact registers]).
+  flight   each update variant keeps at least MIN_BLOCKS blocks per SM, and its estimated share of
+           HBM bandwidth (FLIGHT below) is at least MIN_SHARE.
+  contract every probe of sm90_probes.cu has as many FFMA/DFMA with nvcc's default contraction as
+           with --fmad=false (no product fused into a sum: [note: no contraction] in adamw_math.h),
+           and the 1 - lr*wd probe has none at all.
 
 Must run with TRITON_INTERPRET unset (tests/contract/test_sm90_compile.py runs it in a subprocess).
 """
@@ -35,6 +48,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the checkout's ampfused, not an installed one: one source tree for both compilers
 # [note: budgets] registers per thread / static shared memory per block (bytes). The update kernel
 # runs under maxnreg=72 (80 for its split8 and int8-moment variants); the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
@@ -42,6 +56,29 @@ BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384)
           "scaler_update_kernel": (64, 1024), "accumulate_kernel": (64, 1024)}
 REGISTER_UNIT = 256  # sm_90 allocates a warp's registers in units of 256
 SM90 = dict(regs=65536, threads=2048, blocks=32, smem=233472, smem_reserved=1024)
+
+# [note: bytes in flight] Little's law: to sustain bandwidth B with latency L, B * L bytes must be
+# in flight. H200: HBM3e at ~4.8 TB/s over 132 SMs is ~36 B/ns per SM; with ~700 ns of loaded DRAM
+# latency (an assumption: ~500 ns idle, more under load) an SM needs ~25.5 KB of loads in flight.
+# A thread has in flight the loads it issues before its first store (which waits on them): FLIGHT
+# gives, per update variant, that count for a representative tensor (bytes per thread per loop
+# iteration, from the kernel's code: 4 elements a part; the compact variants load both parts first,
+# which the `order` rule checks in their SASS); blocks per SM come from the compiled registers.
+HBM = dict(bytes_per_s=4.8e12, sms=132, latency_s=700e-9)
+FLIGHT = {  # variant: (representative tensor, bytes a thread has in flight)
+    "plain": ("fp32 param, grad and moments", 4 * (4 + 4 + 4 + 4)),
+    "compact": ("bf16 param, split16 master, bf16 grad, fp32 moments; both parts", 8 * (2 + 2 + 2 + 4 + 4)),
+    "compact + int8 moments": ("bf16 param, split16 master, bf16 grad, int8 moments; both parts", 8 * (2 + 2 + 2 + 1 + 1)),
+}
+MIN_BLOCKS = {"plain": 2, "compact": 1, "compact + int8 moments": 1}  # [note: update occupancy] in passes.cu
+MIN_SHARE = 1.0
+
+
+def flight(variant: str, blocks: int, threads: int) -> tuple[int, float]:
+    """Bytes in flight per SM and the estimated fraction of HBM bandwidth they sustain."""
+    needed = HBM["bytes_per_s"] / HBM["sms"] * HBM["latency_s"]
+    in_flight = FLIGHT[variant][1] * threads * blocks
+    return in_flight, min(1.0, in_flight / needed)
 
 
 def occupancy(regs: int, threads: int, smem: int) -> tuple[int, float]:
@@ -267,31 +304,119 @@ def compact_updates(adamw, hyper, numels):
 
 # -------------------------------------------------------------------------------------------- CUDA
 
+def find_nvcc() -> str | None:
+    return shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+
+
+MEMORY_OPS = ("LDG", "STG", "LD", "ST", "LDS")
+
+
+def memory_counts(instructions: list[tuple[int, str]]) -> dict[str, int]:
+    counts = dict.fromkeys(MEMORY_OPS, 0)
+    for _, text in instructions:
+        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9]+)\b", text)
+        if m and m.group(1) in counts:
+            counts[m.group(1)] += 1
+    return counts
+
+
+def innermost_loops(instructions: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    loops = []
+    for addr, text in instructions:
+        m = re.search(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    return [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+
+
+def load_store_order(instructions: list[tuple[int, str]]) -> list[str]:
+    """In the group loop (the largest innermost loop of a compact variant): vector LDGs after the first STG."""
+    loops = innermost_loops(instructions)
+    if not loops:
+        return ["no innermost loop (the rule cannot see the group loop)"]
+    a, b = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = [(addr, text) for addr, text in instructions if a <= addr <= b]
+    # global or generic (the `global` rule asks for the former; this one holds for either)
+    stores = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?STG?\.E\b", t)]
+    vector_loads = [addr for addr, t in body if re.match(r"(?:@!?P\w+\s+)?LDG?\.E\.(64|128)\b", t)]
+    if not stores or not vector_loads:
+        return [f"group loop {a:#x}-{b:#x}: no store or no vector load (the rule cannot see the loop)"]
+    return [f"group loop: a vector load at {addr:#x} after the first store ({stores[0]:#x})"
+            for addr in vector_loads if addr > stores[0]]
+
+
 def compile_cuda(work: Path) -> tuple[list[dict], list[str]]:
-    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local").glob("cuda*/bin/nvcc")), None)
+    nvcc = find_nvcc()
     if nvcc is None:
         return [], []
-    obj = work / "passes.o"
-    log = run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-c",
-               str(ROOT / "csrc/cuda/passes.cu"), "-o", str(obj)])
-    sass = sass_functions(run([tool("cuobjdump"), "-sass", str(obj)]))
-    ptx = run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-ptx", str(ROOT / "csrc/cuda/passes.cu"),
-               "-o", "-"])
+    cubin = work / "passes.cubin"
+    keep = work / "keep"
+    keep.mkdir()
+    log = run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-cubin", "--keep",
+               f"--keep-dir={keep}", str(ROOT / "csrc/cuda/passes.cu"), "-o", str(cubin)])
+    sass = sass_functions(run([tool("cuobjdump"), "-sass", str(cubin)]))
+    ptx = "\n".join(p.read_text() for p in keep.glob("*.ptx"))
     rows, problems = [], []
     for mangled, info in ptxas_info(log).items():
         name = next(n for n in ("scaler_update_kernel", "accumulate_kernel", "update_kernel", "stats_kernel") if n in mangled)
         threads = 1 if name == "scaler_update_kernel" else 512
-        inner = spills_in_inner_loops(sass.get(mangled, []))
+        instructions = sass.get(mangled, [])
+        inner = spills_in_inner_loops(instructions)
         config = {"INS_8BFloat16": "bf16", "INS_4Half": "fp16", "IfE": "fp32",  # accumulate's grad dtype
                   "ILi0E": "plain", "ILi1E": "compact", "ILi2E": "compact + int8 moments"}  # update's variant
         dtype = next((v for k, v in config.items() if k in mangled), "")
-        rows.append(dict(kernel=f"{name} (CUDA)", config=dtype, threads=threads, **info, smem_total=info["smem"],
-                         inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, info["smem"])))
+        memory = memory_counts(instructions)
+        loop_lds = sum(1 for a, b in innermost_loops(instructions) for addr, t in instructions
+                       if a <= addr <= b and re.match(r"(?:@!?P\w+\s+)?LDS\b", t))
+        row = dict(kernel=f"{name} (CUDA)", config=dtype, threads=threads, **info, smem_total=info["smem"],
+                   inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, info["smem"]), memory=memory,
+                   loop_lds=loop_lds)
+        rows.append(row)
         problems += [f"{name} (CUDA): spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(name, info["regs"], info["smem"], dtype)
+        if name in ("update_kernel", "stats_kernel") and (memory["LD"] or memory["ST"]):
+            problems.append(f"{name} [{dtype}] (CUDA): {memory['LD']} generic LD / {memory['ST']} generic ST "
+                            "(tensor data must move with LDG/STG: [note: global accesses])")
+        if name == "update_kernel":
+            if loop_lds and dtype == "plain":  # the compact variants read theirs in shared ([note: compact registers])
+                problems.append(f"update_kernel [{dtype}] (CUDA): {loop_lds} LDS inside innermost loops "
+                                "(the record and scalars are read once, before the loop)")
+            blocks = row["occupancy"][0]
+            row["flight"] = flight(dtype, blocks, threads)
+            if blocks < MIN_BLOCKS[dtype]:
+                problems.append(f"update_kernel [{dtype}] (CUDA): {blocks} blocks per SM < {MIN_BLOCKS[dtype]}")
+            if row["flight"][1] < MIN_SHARE:
+                problems.append(f"update_kernel [{dtype}] (CUDA): {row['flight'][0]} B in flight per SM sustain "
+                                f"~{row['flight'][1]:.0%} of HBM bandwidth < {MIN_SHARE:.0%} ([note: bytes in flight])")
+            if dtype != "plain":
+                problems += [f"update_kernel [{dtype}] (CUDA): {p}" for p in load_store_order(instructions)]
     if "__internal_accurate_pow" in ptx:
         problems.append("passes.cu: __internal_accurate_pow is still compiled in (bias corrections per element)")
+    if not ptx:
+        problems.append("passes.cu: nvcc --keep left no PTX to check")
     return rows, problems
+
+
+def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """[note: contraction probes] FFMA/DFMA per probe kernel, with nvcc's default contraction and without."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return {}, []
+    counts = {}
+    for fmad in ("true", "false"):
+        cubin = work / f"probes_{fmad}.cubin"
+        run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", f"--fmad={fmad}", "-cubin",
+             str(ROOT / "tests/contract/sm90_probes.cu"), "-o", str(cubin)])
+        for name, instructions in sass_functions(run([tool("cuobjdump"), "-sass", str(cubin)])).items():
+            n = sum(1 for _, t in instructions if re.match(r"(?:@!?P\w+\s+)?[DF]FMA\b", t))
+            counts.setdefault(name, [0, 0])[0 if fmad == "true" else 1] = n
+    problems = [f"{name}: {a} FFMA/DFMA with nvcc's default contraction, {b} with --fmad=false: a product fused "
+                "into a sum ([note: no contraction] in csrc/adamw_math.h)" for name, (a, b) in sorted(counts.items()) if a != b]
+    if "probe_scalars_decay" not in counts:
+        problems.append("sm90_probes.cu: no probe_scalars_decay kernel")
+    elif counts["probe_scalars_decay"][0]:
+        problems.append(f"probe_scalars_decay: {counts['probe_scalars_decay'][0]} FFMA/DFMA in 1 - lr*wd")
+    return {k: tuple(v) for k, v in counts.items()}, problems
 
 
 # ------------------------------------------------------------------------------------------ common
@@ -300,8 +425,8 @@ def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
     if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
         max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
-    if name == "update_kernel" and "int8" in config:
-        max_regs = 128  # a warp's new int8 moments wait for their block's scale (csrc/cuda/compact_update.cuh)
+    if name == "update_kernel" and "compact" in config:
+        max_regs = 128  # a lane's whole group ([note: compact registers] in csrc/cuda/compact_update.cuh)
     out = []
     if regs > max_regs:
         out.append(f"{name} [{config}]: {regs} registers > budget {max_regs}")
@@ -336,6 +461,60 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cuda_tables(rows: list[dict], probes: dict[str, tuple[int, int]]) -> str:
+    """The CUDA kernels' memory instructions, the update variants' bytes in flight, the contraction probes."""
+    cuda = [r for r in rows if "memory" in r]
+    if not cuda:
+        return ""
+    needed = HBM["bytes_per_s"] / HBM["sms"] * HBM["latency_s"]
+    lines = ["| kernel | config | LDG | STG | generic LD | generic ST | LDS | LDS in innermost loops |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in cuda:
+        m = r["memory"]
+        lines.append(f"| {r['kernel']} | {r['config']} | {m['LDG']} | {m['STG']} | {m['LD']} | {m['ST']} | {m['LDS']} "
+                     f"| {r['loop_lds']} |")
+    lines += ["", f"Bytes in flight per SM ([note: bytes in flight] in the script): Little's law with H200 HBM3e at "
+              f"{HBM['bytes_per_s'] / 1e12:.1f} TB/s over {HBM['sms']} SMs and {HBM['latency_s'] * 1e9:.0f} ns loaded "
+              f"latency (an assumption) needs {needed / 1024:.1f} KiB in flight per SM.", "",
+              "| update variant | representative tensor | regs | blocks/SM | B/thread in flight | KiB in flight per SM "
+              "| est. share of HBM bandwidth |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in cuda:
+        if "flight" in r:
+            what, per_thread = FLIGHT[r["config"]]
+            lines.append(f"| {r['config']} | {what} | {r['regs']} | {r['occupancy'][0]} | {per_thread} "
+                         f"| {r['flight'][0] / 1024:.1f} | {r['flight'][1]:.0%} |")
+    if probes:
+        lines += ["", "Contraction probes (tests/contract/sm90_probes.cu): FFMA+DFMA in each scalar routine compiled "
+                  "alone, with nvcc's default contraction and with `--fmad=false` (equal: nothing contracted).", "",
+                  "| probe | default | --fmad=false |", "|---|---:|---:|"]
+        lines += [f"| {name} | {a} | {b} |" for name, (a, b) in sorted(probes.items())]
+    return "\n".join(lines)
+
+
+def nvcc_release() -> str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return "no nvcc"
+    m = re.search(r"release ([0-9.]+)", run([nvcc, "--version"]))
+    return f"nvcc {m.group(1)}" if m else "nvcc"
+
+
+def source_tree() -> str:
+    import ampfused
+
+    where = Path(ampfused.__file__).resolve().parent
+    if where != ROOT / "ampfused":
+        raise RuntimeError(f"imported ampfused from {where}, not from this checkout ({ROOT}): two source trees")
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "ampfused", "csrc", "tests/contract"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table as markdown here")
@@ -345,12 +524,19 @@ def main() -> int:
         print("unset TRITON_INTERPRET: the offline compile needs the GPU code path", file=sys.stderr)
         return 2
     install_fake_driver()
+    tree = source_tree()
+    print(f"source tree: {ROOT} ({tree}): ampfused/kernels for Triton, csrc/ for nvcc", flush=True)
+    probes = {}
     with tempfile.TemporaryDirectory() as tmp:
         rows, problems = compile_triton(Path(tmp))
         if not args.no_cuda:
             cuda_rows, cuda_problems = compile_cuda(Path(tmp))
-            rows, problems = rows + cuda_rows, problems + cuda_problems
+            probes, probe_problems = contraction_probes(Path(tmp))
+            rows, problems = rows + cuda_rows, problems + cuda_problems + probe_problems
     text = table(rows)
+    extra = cuda_tables(rows, probes)
+    if extra:
+        text += "\n\n" + extra
     print(text)
     for p in problems:
         print("FAIL:", p)
@@ -359,8 +545,9 @@ def main() -> int:
 
         args.out.write_text(
             "# sm_90 offline compile of every kernel\n\n"
-            f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; nvcc for "
-            "passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
+            f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; "
+            f"{nvcc_release()} for passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
+            f"One source tree for both compilers: the checkout ({tree}), its ampfused/kernels for Triton and its csrc/ for nvcc. "
             "Occupancy is computed from registers, threads and shared memory for an H100/H200 SM "
             "(65536 registers, 64 warps, 32 blocks, 228 KB). Budgets and rules: the docstring of the script.\n\n"
             + text + "\n\n" + ("All rules pass.\n" if not problems else "\n".join(f"- FAIL: {p}" for p in problems) + "\n"))

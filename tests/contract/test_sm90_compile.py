@@ -1,8 +1,11 @@
 """Every Triton kernel (and passes.cu, when nvcc is found) compiled for sm_90 offline with
-the configurations the code launches: no contracted non-finite test, no spill in a hot loop,
-registers and shared memory within budget. See tests/contract/sm90_compile.py for the rules."""
+the configurations the code launches, both from this checkout: no contracted non-finite test, no
+spill in a hot loop, registers and shared memory within budget; with nvcc, global loads/stores,
+the compact update's loads before its stores, blocks and bytes in flight per SM of each update
+variant, and no contracted product in the scalar routines. See tests/contract/sm90_compile.py."""
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +34,7 @@ def test_kernels_compile_for_sm90_within_the_rules():
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "_grad_stats_kernel" in done.stdout and "_adamw_update_kernel" in done.stdout
+    root = str(SCRIPT.resolve().parents[2])
+    assert f"source tree: {root} " in done.stdout  # the checkout's kernels, for Triton and nvcc alike
+    if shutil.which("nvcc"):
+        assert "est. share of HBM bandwidth" in done.stdout and "probe_scalars_decay" in done.stdout
