@@ -1,4 +1,4 @@
-"""`python -m ampfused info|bench|bench train`: the backends found, and the benchmarks."""
+"""`python -m ampfused info|bench`: the backends found, and the optimizer-step benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,8 @@ import warnings
 COMMANDS = """commands:
   info          list the backends found and why any is missing
   bench         benchmark the optimizer step against the stock torch.amp path
-                (python -m ampfused bench --help for its options)
-  bench train   end-to-end training benchmark with convergence parity
-                (python -m ampfused bench train --help for its options)"""
+                (python -m ampfused bench --help for its options; the training
+                benchmark runs from a checkout: python benchmarks/bench_train.py)"""
 
 
 def info() -> int:
@@ -38,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and GradScaler for PyTorch", epilog=COMMANDS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,bench train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench}")
     sub.add_parser("info", help="list the backends found and why any is missing")
-    # bench parses its own arguments (and `bench train` its own), --help included
+    # bench parses its own arguments, --help included
     sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
     return parser
 

@@ -104,8 +104,10 @@ class _CallTimer:
 
 
 def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget: Budget, *, host: bool = False,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
-    """Time every function of ``fns`` in alternating bursts (see [note: interleaved timing]).
+                clock: Callable[[], float] = time.perf_counter, on_round: Callable[[], None] | None = None
+                ) -> dict[str, Timing]:
+    """Time every function of ``fns`` in alternating bursts (see [note: interleaved timing]);
+    ``on_round`` is called after every round (a progress bar).
 
     One untimed call of each calibrates its burst length: ``ceil(max(min_samples, min_s / t) / rounds)``
     calls per round, so a slow function and a fast one both finish their minimum in about
@@ -140,6 +142,8 @@ def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget
                 del burst[name]
                 timer.pending.clear()
         rounds += 1
+        if on_round is not None:
+            on_round()
         for name in burst:
             own_s[name] = sum(samples[name]) * 1e-3
         enough = rounds >= budget.rounds and all(
