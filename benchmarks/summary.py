@@ -53,6 +53,15 @@ def _cell(row, key="median_ms", spec=".2f") -> str:
     return format(row[key], spec) + (" †" if row["unstable"] else "")
 
 
+def command(env: dict, default: str) -> str:
+    """The run's command without its ``--out`` folder (a path of the machine it ran on)."""
+    words, out = env.get("command", default).split(), []
+    for i, word in enumerate(words):
+        if not (word.startswith("--out=") or word == "--out" or (i and words[i - 1] == "--out")):
+            out.append(word)
+    return " ".join(out)
+
+
 def bench_summary(rows: list[dict], env: dict) -> str:
     main = _main_backend(rows)
     ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]
@@ -65,7 +74,7 @@ def bench_summary(rows: list[dict], env: dict) -> str:
     untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
     lines = [
         f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}, triton {env['triton']}, "
-        f"ampfused {env['ampfused']}; `{env.get('command', 'python -m ampfused bench')}` "
+        f"ampfused {env['ampfused']}; `{command(env, 'python -m ampfused bench')}` "
         f"({env.get('wall_s', '?')} s wall; other processes kept {env.get('other_cores', '?')} cores busy on average). "
         + (f"**{env['untrusted']}** " if env.get("untrusted") else "") +
         f"{unstable} of {len(timed)} timings unstable (marked †). ms per step, median." +
@@ -136,7 +145,7 @@ def memory_table(rows: list[dict], main: str | None) -> list[str]:
 
 def train_summary(table: str, env: dict) -> str:
     return (f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}; "
-            f"`{env.get('command', 'python benchmarks/bench_train.py')}` ({env.get('wall_s', '?')} s wall; other processes "
+            f"`{command(env, 'python benchmarks/bench_train.py')}` ({env.get('wall_s', '?')} s wall; other processes "
             f"kept {env.get('other_cores', '?')} cores busy on average); "
             f"model {env.get('model', '?')}, {env.get('steps', '?')} steps of {env.get('batch', '?')}, "
             f"{env.get('amp_dtype', '?')} autocast.\n\n{table}")

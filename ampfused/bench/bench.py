@@ -1,42 +1,24 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (a parameter set under a step configuration, see ``configs.py``) and every provider
-(stock ``torch.optim.AdamW`` foreach / fused with ``torch.amp.GradScaler``, and ``FusedAmpAdamW``
-with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
-
-1. build the provider from the case's seeded params and gradients;
-2. **correctness gate**: run ``--gate-steps`` steps (gradients restored before each) and compare
-   the fp32 weights and the params with those of stock ``torch-fused`` after the same steps
-   (fp32 rtol 1e-5; low-precision params within one rounding step). A provider that fails is
-   reported as FAILED, is not timed, and the command exits with status 1;
-3. time ``step()`` (what it contains: ``providers.py``) of all the providers that passed, and a
-   device stream (``a += b``, the roofline) of each byte count, **interleaved** (``measure.interleaved``), then check the
-   weights are still finite. [note: oracle untimed] The ``reference`` backend is the oracle and the
-   fallback, not a contender: when a compiled backend is measured too and ``--backends`` does not
-   name it, it is gated but not timed (status ``untimed``): its pure-PyTorch passes were the
-   slowest rows of the run and answer no question of the benchmark;
-4. report median and p20/p80 ms per step, bytes moved per step (``providers.bytes_per_param``),
-   the bytes kept between steps per param (measured from the provider's tensors),
-   effective GB/s, the fraction of that roofline's GB/s, the speedup over
-   each stock path, peak memory, the cores other processes kept busy meanwhile, and whether the
-   timing is ``unstable`` (too few samples, or a p20-p80 spread above ``--max-spread``).
-
-The ``host`` sweep times the host side of ``step()`` alone on many tiny tensors (see
-``configs.py`` [note: host sweep]) and reports ampfused's host time over stock torch-fused's.
-The ``passes`` sweep times every pass of the compiled backend alone at a large size (50M on the CPU
-plan) against the ``a += b`` stream and torch's own passes (``passes.py``): GB/s per pass and
-its fraction of the roofline, in ``passes.csv`` / ``passes.md``.
+For every case (a parameter set under a step configuration, ``configs.py``) and every provider
+(stock torch foreach / fused with ``torch.amp.GradScaler``, ``FusedAmpAdamW`` with
+``ampfused.GradScaler`` on each available backend, ``providers.py``): build it from the case's
+seeded params and gradients; **gate** it (``--gate-steps`` steps compared with stock torch-fused's;
+a provider that fails is reported FAILED, is not timed, and the command exits 1); then time
+``step()`` of all that passed, and the ``a += b`` roofline stream of each byte count,
+**interleaved** (``measure.interleaved``). [note: oracle untimed] Beside a compiled backend the
+``reference`` backend is the oracle and the fallback, not a contender: gated, not timed (status
+``untimed``) unless ``--backends`` names it. The ``host`` sweep times the host side of ``step()``
+on many tiny tensors; the ``passes`` sweep each pass alone (``passes.py``).
 
 Threads (CPU): unless ``--threads`` says, the run first measures for a second how many cores other
-processes keep busy (``environment.Load``) and takes the free ones (2 cores with one busy: 1
-thread), so a timing does not wait for a core; where none is free it says that its numbers are not
-to be trusted, in its output and its report (``environment.pick_threads``).
+processes keep busy and takes the free ones (``environment.pick_threads``); where none is free it
+says that its numbers are not to be trusted, in its output and its report.
 
-Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``run.json`` (the
-command, threads, load and wall time) and ``*.png`` (the plots need matplotlib:
-``pip install "ampfused[bench]"``). The README's tables are made from ``bench.csv`` and ``run.json``
-by ``benchmarks/summary.py``, and the end-to-end training benchmark is ``benchmarks/bench_train.py``,
-both run from a checkout.
+Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``run.json`` and
+``*.png`` (matplotlib). Metrics, sweeps and the gate in full: benchmarks/README.md §1. The
+README's tables are made from ``bench.csv`` and ``run.json`` by ``benchmarks/summary.py``; the
+training benchmark is ``benchmarks/bench_train.py``; both run from a checkout.
 """
 from __future__ import annotations
 
