@@ -91,6 +91,9 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     return chosen, skipped
 
 
+MODE_GATE_NUMEL = 1_000_000
+
+
 def gated(name, case, data, args, device) -> dict:
     """The results of provider ``name`` after the gate's steps on ``case`` (built and dropped here)."""
     provider = providers.make(name, case, data, device)
@@ -130,8 +133,12 @@ def gate(provider, name, args, device, expected, case=None, data=None):
     # the stats pass of the fp32 rows, which are gated against stock. split16 is also held to stock
     # fp32 masters, as every fp32 row (its bitwise equality with fp32 masters, ties aside, is
     # tests/compact's business).
-    unclipped = dataclasses.replace(case, config=dataclasses.replace(case.config, clip=False))
-    got, want = ({k: [t.detach().clone() for t in v] for k, v in gated(n, unclipped, data, args, device).items()}
+    # The twins take the case's shapes scaled to at most MODE_GATE_NUMEL params: the reference passes
+    # of the compact modes were a seventh of the default run's time at 4M.
+    shapes = configs.shape_set(case.shapes.family, min(case.shapes.numel, MODE_GATE_NUMEL))
+    unclipped = configs.Case(case.sweeps, shapes, dataclasses.replace(case.config, clip=False))
+    twin_data = providers.CaseData(unclipped, device, args.seed)
+    got, want = ({k: [t.detach().clone() for t in v] for k, v in gated(n, unclipped, twin_data, args, device).items()}
                  for n in (name, f"ampfused-reference{providers.MODE}{mode}"))
     mismatch = measure.compare(got, want)
     if not mismatch and mode == "split16":
@@ -259,14 +266,21 @@ def warm_up(names, device) -> None:
                 pass
 
 
-def case_providers(case, names) -> list[str]:
+BIG_CPU_CASE = 20_000_000  # params: above it a CPU case leaves out torch-foreach and the untimed oracle
+
+
+def case_providers(case, names, device) -> list[str]:
     """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question.
     keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only. The memory modes'
-    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled)."""
+    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled). A CPU case above
+    BIG_CPU_CASE has no torch-foreach row and no untimed reference oracle: their pure-PyTorch passes were
+    a third of the default run's time at 50M, and the smaller cases answer both questions."""
     memory = "memory" in case.sweeps
     names = [n for n in names if (providers.MODE in n) == memory or (memory and providers.MODE not in n and
                                                                      not n.endswith(providers.KEEP_SCALED))]
     names = [n for n in names if case.config.loss_scaling or not n.endswith(providers.KEEP_SCALED)]
+    if device.type == "cpu" and case.shapes.numel > BIG_CPU_CASE:
+        names = [n for n in names if n != "torch-foreach" and not n.startswith("ampfused-reference")]
     return [n for n in names if n != "torch-foreach"] if case.host else names
 
 
@@ -322,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load = Load().start()
     warm_up(names, device)
-    progress = cli.Progress(sum(len(case_providers(c, names)) for c in cases), unit="run")
+    progress = cli.Progress(sum(len(case_providers(c, names, device)) for c in cases), unit="run")
     try:
         for case in cases:
-            rows += run_case(case, case_providers(case, names), device, args, budget, env, progress, untimed)
+            rows += run_case(case, case_providers(case, names, device), device, args, budget, env, progress, untimed)
     finally:
         progress.close()
     pass_rows = run_passes(plan_name, device, backends, budget, env) if "passes" in args.sweeps else []
