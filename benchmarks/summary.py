@@ -76,9 +76,9 @@ def bench_summary(rows: list[dict], env: dict) -> str:
         f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}, triton {env['triton']}, "
         f"ampfused {env['ampfused']}; `{command(env, 'python -m ampfused bench')}` "
         f"({env.get('wall_s', '?')} s wall; other processes kept {env.get('other_cores', '?')} cores busy on average). "
-        + (f"**{env['untrusted']}** " if env.get("untrusted") else "") +
+        + (f"**{env['untrusted']}.** " if env.get("untrusted") else "") +
         f"{unstable} of {len(timed)} timings unstable (marked †). ms per step, median." +
-        (f" Gated on every case but not timed (the oracle): {', '.join(untimed)}." if untimed else ""),
+        (f" Gated but not timed (the oracle): {', '.join(untimed)}." if untimed else ""),
         "",
     ]
     device_cases = [c for c, p in by_case.items() if next(iter(p.values()))["timer"] != "host"]

@@ -281,7 +281,7 @@ def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
     loaded = summary.bench_summary(rows, {**env, "command": "python -m ampfused bench --out /tmp/x --quick",
                                           "untrusted": "no thread count fits the free cores"})
     assert "`python -m ampfused bench --quick`" in loaded and "/tmp/x" not in loaded  # no path of the machine
-    assert "**no thread count fits the free cores**" in loaded
+    assert "**no thread count fits the free cores.**" in loaded
     with pytest.raises(SystemExit) as exit_info:  # a folder without a run is an argument error, not a traceback
         summary.main(["--train", str(tmp_path / "missing"), "--readme", str(readme)])
     assert exit_info.value.code == 2
