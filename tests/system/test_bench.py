@@ -371,3 +371,23 @@ def test_bench_header_names_the_threads_and_the_load(tmp_path):
     assert line.startswith(f"threads: {env['threads']} of ") and "busy in the 1 s before the start" in line
     assert ("not to be trusted" in proc.stdout) == bool(env["untrusted"])  # said where it applies, and only there
     assert ("**not to be trusted**" in (out / "bench.md").read_text()) == bool(env["untrusted"])
+
+
+def test_host_only_runs_the_triton_host_side_and_launches_nothing():
+    """The seam the host sweep times the Triton backend through on a CPU (ampfused.kernels.host_only)."""
+    from ampfused import _backends
+
+    module, why = _backends.probe("triton")
+    if module is None or _backends._device_reason(module, torch.device("cpu")):
+        pytest.skip(f"the Triton backend cannot run on CPU tensors here: {why or 'TRITON_INTERPRET is not set'}")
+    from ampfused import kernels
+
+    params = [torch.nn.Parameter(torch.ones(300)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt = ampfused.FusedAmpAdamW(params, lr=0.1, backend="triton", max_grad_norm=1.0)
+    with kernels.host_only():
+        opt.step()  # tables built, arguments checked, nothing launched
+    assert all(torch.equal(p, torch.ones(300)) for p in params) and opt.state[params[0]]["exp_avg"].abs().sum() == 0
+    opt.step()  # and outside it the same optimizer steps
+    assert all(bool((p < 1).all()) for p in params)
