@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         if "memory" in args.sweeps:  # and the memory modes of DESIGN §9 (configs [note: memory modes])
             names += [f"ampfused-{backends[0]}{providers.MODE}{mode}" for mode in configs.MEMORY_MODES]
     env = environment(device, args.threads)
-    env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]), untrusted=untrusted)
+    env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]), untrusted=untrusted,
+               threads_choice=threads_line)
     print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "
           f"(torch {env['torch']}, triton {env['triton']})")
     if threads_line:

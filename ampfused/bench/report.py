@@ -144,7 +144,8 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"- hardware: {env['hardware']}",
         f"- versions: torch {env['torch']}, triton {env['triton']}, ampfused {env['ampfused']}, python {env['python']}",
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
-        f"- threads: {env['threads']}; {load_line(env)}; per row: 'other cores' during that case",
+        f"- {env.get('threads_choice') or 'threads: ' + env['threads']}",
+        f"- {load_line(env)}; per row: 'other cores' during that case",
         *([f"- **not to be trusted**: {env['untrusted']}"] if env.get("untrusted") else []),
         f"- timing: {budget.min_samples}+ samples and {budget.min_s:g}+ s per timing, all providers of a case and the "
         f"roofline stream interleaved (ampfused/bench/measure.py); **unstable**: fewer samples or a p20–p80 spread above "

@@ -371,6 +371,7 @@ def test_bench_header_names_the_threads_and_the_load(tmp_path):
     assert line.startswith(f"threads: {env['threads']} of ") and "busy in the 1 s before the start" in line
     assert ("not to be trusted" in proc.stdout) == bool(env["untrusted"])  # said where it applies, and only there
     assert ("**not to be trusted**" in (out / "bench.md").read_text()) == bool(env["untrusted"])
+    assert f"- {line}\n" in (out / "bench.md").read_text()  # the report says it too
 
 
 def test_host_only_runs_the_triton_host_side_and_launches_nothing():
