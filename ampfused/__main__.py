@@ -1,4 +1,4 @@
-"""`python -m ampfused info|check|bench|bench train`: the backends found, their check, and the benchmarks."""
+"""`python -m ampfused info|check|bench`: the backends found, their check, and the optimizer-step benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,8 @@ COMMANDS = """commands:
   check         run every available backend against the reference on small problems on this
                 device; exit status 1 on any failure (python -m ampfused check --help)
   bench         benchmark the optimizer step against the stock torch.amp path
-                (python -m ampfused bench --help for its options)
-  bench train   end-to-end training benchmark with convergence parity
-                (python -m ampfused bench train --help for its options)"""
+                (python -m ampfused bench --help for its options; the training
+                benchmark runs from a checkout: python benchmarks/bench_train.py)"""
 
 
 def info() -> int:
@@ -40,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and GradScaler for PyTorch", epilog=COMMANDS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench,bench train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
     sub.add_parser("info", help="list the backends found and why any is missing")
     sub.add_parser("check", help="every available backend against the reference (see below)", add_help=False)
-    # bench parses its own arguments (and `bench train` its own), --help included
+    # bench parses its own arguments, --help included
     sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
     return parser
 

@@ -12,6 +12,10 @@ torch, broken) becomes a reason string for ``python -m ampfused info``, never an
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import os
+import sys
+import warnings
 from typing import Sequence
 
 import torch
@@ -39,7 +43,15 @@ def _load() -> tuple[object | None, str]:
         module = importlib.import_module("ampfused._C")
     except ModuleNotFoundError as exc:
         if exc.name in ("ampfused._C", "_C"):
-            return None, f"ampfused._C is not built (pure-Python install): {BUILD_HINT}"
+            built = _built_elsewhere()
+            if built is None:
+                return None, f"ampfused._C is not built (pure-Python install): {BUILD_HINT}"
+            reason = (f"ampfused is imported from {_HERE}, which has no built ampfused._C, while the install in {built} "
+                      "has one (`python -m` and scripts put the current folder first on sys.path, so inside a checkout "
+                      "they import its source tree): run from outside the checkout, or build the checkout in place "
+                      "with `pip install --no-build-isolation -e .`")
+            warnings.warn(f"ampfused: the compiled cpu/cuda backends are unavailable: {reason}", stacklevel=4)
+            return None, reason
         return None, f"ampfused._C failed to import: {exc}"
     except ImportError as exc:  # undefined symbol, wrong ABI, missing libtorch_cuda, ...
         return None, (f"ampfused._C failed to load ({exc}): a broken or stale build, or one built against another "
@@ -51,6 +63,26 @@ def _load() -> tuple[object | None, str]:
         return None, f"ampfused._C loaded but registers no {', '.join(missing)} op (stale build?): {BUILD_HINT}"
     _register_fakes()
     return module, ""
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _built_elsewhere() -> str | None:
+    """Another ampfused folder on the import path that holds a built ``_C`` (an install shadowed by
+    the source tree this process imported), or None."""
+    folders = [os.path.join(entry or os.getcwd(), "ampfused") for entry in sys.path]
+    for finder in sys.meta_path:  # editable installs map the package through a finder of their own
+        try:
+            spec = finder.find_spec("ampfused", None)
+        except Exception:  # a third-party finder must never break ampfused
+            continue
+        folders += list(getattr(spec, "submodule_search_locations", None) or [])
+    for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
+        if folder != _HERE and any(os.path.isfile(os.path.join(folder, "_C" + suffix))
+                                   for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+            return folder
+    return None
 
 
 def _register_fakes() -> None:

@@ -6,6 +6,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_check_long.sh [--dry-run] [STEP...]   # STEP: tests bench train
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 WANT=" ${*:-tests bench train} "
@@ -25,6 +26,6 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 
 step tests 540 pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml"
 (cd "$elsewhere" && step bench 540 python -m ampfused bench --device cuda --sweeps configs,size,tensors --sizes 1M,124M,1B --out "$OUT/bench")
-(cd "$elsewhere" && step train 540 python -m ampfused bench train --device cuda --out "$OUT/train")
+(cd "$elsewhere" && step train 540 python "$ROOT/benchmarks/bench_train.py" --device cuda --out "$OUT/train")
 [ "$DRY" = 0 ] && cat "$summary"
 exit 0

@@ -1,48 +1,38 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (a parameter set under a step configuration, see ``configs.py``) and every provider
-(stock ``torch.optim.AdamW`` foreach / fused with ``torch.amp.GradScaler``, and ``FusedAmpAdamW``
-with ``ampfused.GradScaler`` on each available backend, see ``providers.py``):
+For every case (a parameter set under a step configuration, ``configs.py``) and every provider
+(stock torch foreach / fused with ``torch.amp.GradScaler``, ``FusedAmpAdamW`` with
+``ampfused.GradScaler`` on each available backend, ``providers.py``): build it from the case's
+seeded params and gradients; **gate** it (``--gate-steps`` steps compared with stock torch-fused's;
+a provider that fails is reported FAILED, is not timed, and the command exits 1); then time
+``step()`` of all that passed, and the ``a += b`` roofline stream of each byte count,
+**interleaved** (``measure.interleaved``). [note: oracle untimed] Beside a compiled backend the
+``reference`` backend is the oracle and the fallback, not a contender: gated, not timed (status
+``untimed``) unless ``--backends`` names it. The ``host`` sweep times the host side of ``step()``
+on many tiny tensors; the ``passes`` sweep each pass alone (``passes.py``).
 
-1. build the provider from the case's seeded params and gradients;
-2. **correctness gate**: run ``--gate-steps`` steps (gradients restored before each) and compare
-   the fp32 weights and the params with those of stock ``torch-fused`` after the same steps
-   (fp32 rtol 1e-5; low-precision params within one rounding step). A provider that fails is
-   reported as FAILED, is not timed, and the command exits with status 1;
-3. time ``step()`` (what it contains: ``providers.py``) of all the providers that passed, and a
-   device stream (``a += b``, the roofline) of each byte count, **interleaved** (``measure.interleaved``), then check the
-   weights are still finite. [note: oracle untimed] The ``reference`` backend is the oracle and the
-   fallback, not a contender: when a compiled backend is measured too and ``--backends`` does not
-   name it, it is gated but not timed (status ``untimed``): its pure-PyTorch passes were the
-   slowest rows of the run and answer no question of the benchmark;
-4. report median and p20/p80 ms per step, bytes moved per step (``providers.bytes_per_param``),
-   the bytes kept between steps per param (measured from the provider's tensors),
-   effective GB/s, the fraction of that roofline's GB/s, the speedup over
-   each stock path, peak memory, the cores other processes kept busy meanwhile, and whether the
-   timing is ``unstable`` (too few samples, or a p20-p80 spread above ``--max-spread``).
+Threads (CPU): unless ``--threads`` says, the run first measures for a second how many cores other
+processes keep busy and takes the free ones (``environment.pick_threads``); where none is free it
+says that its numbers are not to be trusted, in its output and its report.
 
-The ``host`` sweep times the host side of ``step()`` alone on many tiny tensors (see
-``configs.py`` [note: host sweep]) and reports ampfused's host time over stock torch-fused's.
-The ``passes`` sweep times every pass of the compiled backend alone at a large size (50M on the CPU
-plan) against the ``a += b`` stream and torch's own passes (``streaming.py``): GB/s per pass and
-its fraction of the roofline, in ``passes.csv`` / ``passes.md``.
-
-Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``summary.md`` (the
-README's results table) and ``*.png`` (the plots need matplotlib: ``pip install "ampfused[bench]"``).
-``python -m ampfused bench train [...]`` runs the end-to-end training benchmark (``bench_train.py``).
+Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``run.json`` and
+``*.png`` (matplotlib). Metrics, sweeps and the gate in full: benchmarks/README.md §1. The
+README's tables are made from ``bench.csv`` and ``run.json`` by ``benchmarks/summary.py``; the
+training benchmark is ``benchmarks/bench_train.py``; both run from a checkout.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 
 import torch
 
-from . import cli, configs, measure, providers, report, streaming
-from .environment import Load, environment
+from . import cli, configs, measure, passes, providers, report
+from .environment import Load, environment, pick_threads
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
 # [note: cpu budget] 0.3 s at most while noisy: on a loaded machine most CPU timings stay noisy to the
@@ -56,7 +46,7 @@ BUDGETS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ampfused bench", description=__doc__.split("\n\n")[0],
-                                     epilog="python -m ampfused bench train --help: the end-to-end training benchmark")
+                                     epilog=f"the end-to-end training benchmark runs from a checkout: {TRAIN_COMMAND}")
     parser.add_argument("--out", default="bench-results", help="output folder (default: bench-results/)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--quick", action="store_true", help="~30 s smoke run on small sizes (used by the tests)")
@@ -71,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of ampfused backends (default: every backend available on the device)")
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="on CPU, also run the Triton backend through the (very slow) Triton interpreter")
-    parser.add_argument("--threads", type=cli.positive_int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--threads", type=cli.positive_int, default=None,
+                        help="CPU threads (default: the cores other processes leave free, measured at the start)")
     parser.add_argument("--gate-steps", type=cli.positive_int, default=2,
                         help="steps compared with stock torch-fused (default 2)")
     parser.add_argument("--max-spread", type=cli.fraction, default=None,
@@ -100,21 +91,17 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     return chosen, skipped
 
 
-class _SameStatsReference:
-    """The memory-mode gate's oracle backend ([note: memory-mode gate]): ``tested``'s stats pass and
-    its split of the tensors (``COMPACT_MODES``), the reference passes for every update."""
+MODE_GATE_NUMEL = 1_000_000
 
-    def __init__(self, tested):
-        from ampfused import reference
 
-        self._reference, self._tested = reference, tested
-        self.NAME = f"{tested.NAME}-stats+reference"
-        self.COMPACT_MODES = getattr(tested, "COMPACT_MODES", frozenset())
-        self.grad_stats_ = tested.grad_stats_
-        self.adamw_update_ = reference.adamw_update_
-
-    def __getattr__(self, name):  # accumulate_, scaler_update_, ...: the reference's
-        return getattr(self._reference, name)
+def gated(name, case, data, args, device) -> dict:
+    """The results of provider ``name`` after the gate's steps on ``case`` (built and dropped here)."""
+    provider = providers.make(name, case, data, device)
+    try:
+        gate_steps(provider, args, device)
+        return provider.results()
+    finally:
+        provider.close()
 
 
 def gate_steps(provider, args, device) -> None:
@@ -138,20 +125,22 @@ def gate(provider, name, args, device, expected, case=None, data=None):
     if mode is None:
         return measure.compare(provider.results(), expected), None
     # [note: memory-mode gate] a lossy mode is held to the reference backend running the same mode
-    # (the specification of its encodings) under the tested backend's own stats pass: an int8 code
-    # is a whole quantization step (up to 1/8 of a moment), so the ulp or two by which two stats
-    # passes' norms differ (fp32 vs double sums) flips the codes of elements at a rounding tie, and
-    # those masters then differ by a few percent of a step. With the same clip coefficient the
-    # moments are bitwise equal and the masters within the fp32 tolerance; the stats pass itself is
-    # the same code as the fp32 rows', which are gated against stock. split16 is also held to stock
+    # (the specification of its encodings), both on the case without clipping: an int8 code is a
+    # whole quantization step (up to 1/8 of a moment), so the ulp or two by which two stats passes'
+    # norms differ (fp32 vs double sums) would flip the codes of elements at a rounding tie, and
+    # those masters would then differ by a few percent of a step. With no clip coefficient the
+    # moments are bitwise equal and the masters within the fp32 tolerance; the clipping itself is
+    # the stats pass of the fp32 rows, which are gated against stock. split16 is also held to stock
     # fp32 masters, as every fp32 row (its bitwise equality with fp32 masters, ties aside, is
     # tests/compact's business).
-    oracle = providers.make(f"ampfused-reference{providers.MODE}{mode}", case, data, device)
-    oracle.opt._backend = _SameStatsReference(provider.opt._get_backend())
-    gate_steps(oracle, args, device)
-    want = {k: [t.detach().clone() for t in v] for k, v in oracle.results().items()}
-    oracle.close()
-    mismatch = measure.compare(provider.results(), want)
+    # The twins take the case's shapes scaled to at most MODE_GATE_NUMEL params: the reference passes
+    # of the compact modes were a seventh of the default run's time at 4M.
+    shapes = configs.shape_set(case.shapes.family, min(case.shapes.numel, MODE_GATE_NUMEL))
+    unclipped = configs.Case(case.sweeps, shapes, dataclasses.replace(case.config, clip=False))
+    twin_data = providers.CaseData(unclipped, device, args.seed)
+    got, want = ({k: [t.detach().clone() for t in v] for k, v in gated(n, unclipped, twin_data, args, device).items()}
+                 for n in (name, f"ampfused-reference{providers.MODE}{mode}"))
+    mismatch = measure.compare(got, want)
     if not mismatch and mode == "split16":
         mismatch = measure.compare(provider.results(), expected)
     return (f"vs ampfused-reference@{mode}: {mismatch}" if mismatch else ""), None
@@ -172,7 +161,7 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
         try:
             provider = providers.make(name, case, data, device)
             if stub and name == "ampfused-triton":  # the interpreter would take minutes at 2000 tensors
-                with stubbed_triton_kernels(True):
+                with host_only(True):
                     provider.step()
                 peak = memory.peak()
                 mismatch, reference = "", None
@@ -202,7 +191,7 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
         copies[nbytes] = measure.DeviceCopy(nbytes, device)
         fns[f"copy {nbytes}"] = copies[nbytes].fn
     load = Load().start()
-    with stubbed_triton_kernels(stub and "ampfused-triton" in live):
+    with host_only(stub and "ampfused-triton" in live):
         timings = measure.interleaved(fns, device, budget, host=case.host)
     other = load.stop()
     for name, provider in live.items():
@@ -230,41 +219,37 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
     return out
 
 
+TRAIN_COMMAND = "python benchmarks/bench_train.py"
 UNTIMED_NOTE = "gate passed; the oracle is not timed (--backends naming it times it)"
-STUB_NOTE = "Triton kernels stubbed: host time only, not gated (tests/ check the kernels in the interpreter)"
+STUB_NOTE = ("Triton kernels not launched (ampfused.kernels.host_only): host time only, not gated "
+             "(tests/ check the kernels in the interpreter)")
 
 
-@contextlib.contextmanager
-def stubbed_triton_kernels(active: bool):
-    """[note: stubbed kernels] On a CPU the Triton backend runs in the interpreter, whose kernel time
-    says nothing about a GPU. For the host sweep its timed steps launch nothing (the launch objects
-    are no-ops; everything before the launch -- plan checks, tables, uploads -- runs), so its row is
-    the host side of a step alone, as on a GPU where launches are asynchronous. Its gate is
-    skipped (stubbed launches update nothing); the test suite checks these kernels."""
+def host_only(active: bool):
+    """On a CPU the Triton backend runs in the interpreter, whose kernel time says nothing about a
+    GPU. For the host sweep its steps run inside ``ampfused.kernels.host_only()``: everything before
+    the launch (plan checks, tables, uploads) runs and nothing is launched, so its row is the host
+    side of a step alone, as on a GPU where launches are asynchronous. Its gate is skipped (nothing
+    is updated); the test suite checks these kernels."""
     if not active:
-        yield
-        return
-    from ampfused.kernels import adamw, stats
+        return contextlib.nullcontext()
+    from ampfused import kernels
 
-    class NoLaunch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    saved = stats._grad_stats_kernel, adamw._adamw_update_kernel
-    stats._grad_stats_kernel = adamw._adamw_update_kernel = NoLaunch()
-    try:
-        yield
-    finally:
-        stats._grad_stats_kernel, adamw._adamw_update_kernel = saved
+    return kernels.host_only()
 
 
 def run_passes(plan_name: str, device: torch.device, backends: list[str], budget, env: dict) -> list[dict]:
-    """The ``passes`` sweep: the compiled backend's passes alone (streaming.pass_rows), when it is here."""
+    """The ``passes`` sweep: the compiled backend's passes alone (passes.pass_rows), when it is here."""
     if device.type not in backends:
         print(f"passes sweep: skipped (the compiled {device.type} backend is not available)")
         return []
-    return streaming.pass_rows(configs.PASSES_NUMEL[plan_name], configs.PASSES_TENSORS, device, budget, env,
-                               backend_name=device.type)
+    progress = cli.Progress(budget.rounds, unit="round")
+    progress.describe(f"passes {configs.human(configs.PASSES_NUMEL[plan_name])}")
+    try:
+        return passes.pass_rows(configs.PASSES_NUMEL[plan_name], configs.PASSES_TENSORS, device, budget, env,
+                                backend_name=device.type, on_round=progress.update)
+    finally:
+        progress.close()
 
 
 def warm_up(names, device) -> None:
@@ -281,24 +266,29 @@ def warm_up(names, device) -> None:
                 pass
 
 
-def case_providers(case, names) -> list[str]:
+BIG_CPU_CASE = 20_000_000  # params: above it a CPU case leaves out torch-foreach and the untimed oracle
+
+
+def case_providers(case, names, device) -> list[str]:
     """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question.
     keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only. The memory modes'
-    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled)."""
+    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled). A CPU case above
+    BIG_CPU_CASE has no torch-foreach row and no untimed reference oracle: their pure-PyTorch passes were
+    a third of the default run's time at 50M, and the smaller cases answer both questions."""
     memory = "memory" in case.sweeps
     names = [n for n in names if (providers.MODE in n) == memory or (memory and providers.MODE not in n and
                                                                      not n.endswith(providers.KEEP_SCALED))]
     names = [n for n in names if case.config.loss_scaling or not n.endswith(providers.KEEP_SCALED)]
+    if device.type == "cpu" and case.shapes.numel > BIG_CPU_CASE:
+        names = [n for n in names if n != "torch-foreach" and not n.startswith("ampfused-reference")]
     return [n for n in names if n != "torch-foreach"] if case.host else names
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
-    if argv[:1] == ["train"]:  # `python -m ampfused bench train ...`: the end-to-end benchmark
-        from . import bench_train
-
-        return bench_train.main(argv[1:], prog="python -m ampfused bench train")
     parser = build_parser()
+    if argv[:1] == ["train"]:
+        parser.error(f"the end-to-end training benchmark is not installed; from a checkout: {TRAIN_COMMAND}")
     args = parser.parse_args(argv)
     if args.triton_interpreter:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
@@ -310,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.backends and not backends:
         parser.error("--backends: none of the requested backends can run here: " +
                      "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    args.threads = args.threads or len(os.sched_getaffinity(0))  # arguments checked: now change the process
+    threads_line, untrusted = "", ""
+    if device.type == "cpu":  # arguments checked: now measure the machine and change the process
+        args.threads, threads_line, untrusted = pick_threads(args.threads)
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # see providers.py [note: synthesized gradients]
@@ -327,9 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         if "memory" in args.sweeps:  # and the memory modes of DESIGN §9 (configs [note: memory modes])
             names += [f"ampfused-{backends[0]}{providers.MODE}{mode}" for mode in configs.MEMORY_MODES]
     env = environment(device, args.threads)
-    env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]))
+    env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]), untrusted=untrusted,
+               threads_choice=threads_line)
     print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "
           f"(torch {env['torch']}, triton {env['triton']})")
+    if threads_line:
+        print(threads_line)
+    if untrusted:
+        print(f"WARNING: {untrusted}")
     print(f"ampfused backends: {', '.join(backends) or 'none'}" +
           "".join(f"\n  not benchmarked: {k}: {v}" for k, v in skipped.items()))
     if "host" in args.sweeps and device.type == "cpu" and "triton" in backends:
@@ -339,23 +337,29 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     load = Load().start()
     warm_up(names, device)
-    progress = cli.Progress(sum(len(case_providers(c, names)) for c in cases), unit="run")
+    progress = cli.Progress(sum(len(case_providers(c, names, device)) for c in cases), unit="run")
     try:
         for case in cases:
-            rows += run_case(case, case_providers(case, names), device, args, budget, env, progress, untimed)
+            rows += run_case(case, case_providers(case, names, device), device, args, budget, env, progress, untimed)
     finally:
         progress.close()
     pass_rows = run_passes(plan_name, device, backends, budget, env) if "passes" in args.sweeps else []
-    env.update(other_cores=f"{load.stop():.2f}", loadavg_after=load.loadavg_after,
-               wall_s=f"{time.perf_counter() - started:.0f}")
+    other = load.stop()
+    env.update(other_cores=f"{other:.2f}", loadavg_after=load.loadavg_after, wall_s=f"{time.perf_counter() - started:.0f}")
+    if device.type == "cpu" and not env["untrusted"] and other > len(os.sched_getaffinity(0)) - args.threads + 0.5:
+        env["untrusted"] = (f"other processes kept {other:.2f} cores busy during the run, more than the "
+                            f"{len(os.sched_getaffinity(0)) - args.threads} left beside {args.threads} thread(s): "
+                            "the timings are not to be trusted")
 
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
     if pass_rows:
-        paths += streaming.write(pass_rows, args.out, "ampfused passes against the a += b stream", env, stem="passes")
-        print(streaming.markdown(pass_rows, "Passes against the a += b stream", env))
+        paths += passes.write(pass_rows, args.out, "ampfused passes against the a += b stream", env, "passes")
+        print(passes.markdown(pass_rows, "Passes against the a += b stream", env))
     print(report.markdown_summary(rows))
     print(report.load_line(env))
+    if env["untrusted"]:
+        print(f"WARNING: {env['untrusted']}")
     print("wrote " + ", ".join(paths))
     if plot_problem:
         print(f"plots not written: {plot_problem}", file=sys.stderr)

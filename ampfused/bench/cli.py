@@ -92,6 +92,8 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         if self.bar is not None:
+            if self.bar.total is not None and self.bar.n + n > self.bar.total:  # more rounds than planned
+                self.bar.total = self.bar.n + n
             self.bar.update(n)
             return
         import sys

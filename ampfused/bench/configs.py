@@ -190,7 +190,7 @@ PLANS = {
 
 
 # [note: passes sweep] each pass of the compiled backend alone against the a += b stream, at the
-# largest CPU size (ampfused/bench/streaming.py); 100M on a GPU keeps it within a 16 GB card.
+# largest CPU size (ampfused/bench/passes.py); 100M on a GPU keeps it within a 16 GB card.
 PASSES_NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
 PASSES_TENSORS = 4
 

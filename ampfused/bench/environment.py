@@ -1,14 +1,13 @@
-"""What a benchmark row records about the machine: versions, hardware, and the load other processes put on it.
-
-Shared by ``bench.py`` and ``bench_train.py`` (neither imports the other: ``bench`` only hands
-``bench train`` over to ``bench_train.main``).
-"""
+"""What a benchmark row records about the machine: versions, hardware, and the load other processes put
+on it; and the thread count that fits the cores they leave free."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import subprocess
+import time
 
 import torch
 
@@ -37,6 +36,38 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
         "threads": str(threads),
         "loadavg": loadavg(),
     }
+
+
+PROBE_S = 1.0  # how long pick_threads watches the machine before the run
+
+
+def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float | None = None) -> tuple[int, str, str]:
+    """(threads, the header line that says why, "" or why the timings are not to be trusted).
+
+    With more threads than free cores a parallel pass waits at its barrier for a
+    thread the scheduler took away, and a step's time measures the neighbours, not the step (the
+    default run on 2 cores with one busy took 16 minutes and inverted the host rows). So unless
+    ``requested``, the run takes the cores other processes left free over ``probe_s`` (rounded up
+    from 0.7 of a core), at least one. Where not even one core is free, no setting fits.
+    """
+    cores = len(os.sched_getaffinity(0))
+    if other is None:
+        load = Load().start()
+        time.sleep(probe_s)
+        other = load.stop()
+    if other != other:  # NaN: no /proc
+        return requested or cores, f"threads: {requested or cores} (the load of other processes is not measurable here)", ""
+    free = max(0.0, min(cores, (os.cpu_count() or cores) - other))
+    seen = f"other processes kept {other:.2f} of {os.cpu_count()} cores busy in the {probe_s:g} s before the start"
+    threads = requested or max(1, min(cores, math.floor(free + 0.3)))
+    why = "--threads" if requested else "the free cores; --threads N to choose"
+    line = f"threads: {threads} of {cores} cores ({why}); {seen}"
+    untrusted = ""
+    if free < 0.7:
+        untrusted = f"{seen}: no thread count fits the free cores, so the timings are not to be trusted"
+    elif threads > free + 0.5:
+        untrusted = f"{seen}: {threads} threads do not fit the {free:.1f} free cores, so the timings are not to be trusted"
+    return threads, line, untrusted
 
 
 def cpu_isa() -> str:

@@ -1,8 +1,7 @@
-"""PNG plots of the benchmarks (matplotlib; ``report.write_all`` and ``bench_train`` skip them without it).
+"""PNG plots of the optimizer-step benchmark (matplotlib; ``report.write_all`` skips them without it).
 
-Optimizer-step benchmark: every bar or point carries the p20-p80 spread of its timing as an error
-bar; ratios are drawn on a log axis around a 1.0 line, so 2x faster and 2x slower look alike;
-unstable timings get a dagger. Training benchmark: the loss curves (:func:`plot_losses`).
+Every bar or point carries the p20-p80 spread of its timing as an error bar; ratios are drawn on a
+log axis around a 1.0 line, so 2x faster and 2x slower look alike; unstable timings get a dagger.
 """
 from __future__ import annotations
 
@@ -209,55 +208,3 @@ def write_plots(rows, out) -> list[str]:
         if plot(rows, path):
             paths.append(path)
     return paths
-
-
-# ---------------------------------------------------------------- end-to-end training (bench_train.py)
-
-
-def _smooth(values, window):
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v - (values[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def plot_losses(results, env, out) -> str:
-    """Loss curves on top; below, each run's loss minus the fp32 run's (smoothed), where overlapping curves
-    part: the precision recipes in one panel, the memory modes (with their fp32-master run) in another."""
-    window = max(1, len(results[0]["losses"]) // 40)
-    modes = [r for r in results if r["mode"]]
-    panels = 3 if modes else 2
-    fig, axes = plt.subplots(panels, 1, figsize=(8.5, 4 + 2.6 * (panels - 1)), sharex=True,
-                             gridspec_kw={"height_ratios": [3] + [2] * (panels - 1)})
-    top, recipes = axes[0], axes[1]
-    reference = _smooth(results[0]["losses"], window)
-    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
-    fp32_masters = next((r["variant"] for r in modes), "").partition("@")[0]
-    for i, r in enumerate(results):
-        curve = _smooth(r["losses"], window)
-        label = f"{r['variant']} (held-out {r['eval_loss']:.3f}, {100 * r['rel_diff_vs_fp32']:+.2f}%)"
-        style = ":" if r["mode"] else ("-" if r["variant"].startswith("ampfused") or r["variant"] == "fp32" else "--")
-        kwargs = dict(color=palette[i % len(palette)], linewidth=1.0 if r["mode"] else 1.3)
-        top.plot(curve, style, label=label, **kwargs)
-        diff = [c - f for c, f in zip(curve, reference)]
-        if not r["mode"]:
-            recipes.plot(diff, style, **kwargs)
-        if modes and (r["mode"] or r["variant"] == fp32_masters):
-            axes[2].plot(diff, "-" if r["mode"] else "--", **kwargs, label=r["mode"] or f"{r['variant']} (fp32 masters)")
-    top.set(ylabel="training loss (nats/byte)", title="training loss" + (f", moving average of {window} steps" if window > 1 else ""))
-    recipes.set(ylabel="loss − fp32 run's", title="difference to the fp32 run: precision recipes")
-    if modes:
-        axes[2].set(ylabel="loss − fp32 run's", title="difference to the fp32 run: memory modes (DESIGN §9)")
-        axes[2].legend(fontsize=7, ncol=2)
-    for ax in axes:
-        ax.axhline(0.0, color="black", linewidth=0.8) if ax is not top else None
-        ax.grid(alpha=0.3)
-    axes[-1].set(xlabel="optimizer step")
-    top.legend(fontsize=6.5, ncol=2 if modes else 1)
-    fig.suptitle(f"Byte-level GPT on stdlib source ({env.get('model', '')})\n{env['hardware']}", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out, "loss_curves.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

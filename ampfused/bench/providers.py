@@ -1,31 +1,7 @@
-"""The implementations being compared, each wrapping one training-step tail behind ``step()``.
-
-What one ``step()`` does -- everything between the end of the last ``backward()`` of an optimizer
-step and the next forward, plus folding each micro-batch's gradient for low-precision params:
-
-* ``torch-foreach`` / ``torch-fused`` -- ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``
-  driven by ``torch.amp.GradScaler``:
-
-  - fp32 params: ``scaler.unscale_(opt)``; ``clip_grad_norm_(params)``; ``scaler.step(opt)``;
-    ``scaler.update()``.
-  - bf16/fp16 params: [note: fair stock baseline] torch has no master weights, so the baseline is
-    the hand-written recipe: the optimizer runs on fp32 master copies; each micro-batch's
-    low-precision grads are cast into the masters' fp32 ``.grad`` (``_foreach_copy_`` for the first
-    micro-batch, so no zeroing pass is needed, ``_foreach_add_`` after); then unscale_/clip/step/
-    update on the masters and ``_foreach_copy_(params, masters)`` writes the low-precision params.
-
-* ``ampfused-<backend>`` -- ``FusedAmpAdamW(max_grad_norm=...)`` + ``ampfused.GradScaler``: for each
-  micro-batch what autograd's AccumulateGrad does at the end of ``backward()``: ``p.grad = g`` when
-  ``p.grad`` is None (the hook then writes it into fp32 ``p.main_grad`` and makes that ``p.grad``),
-  else ``p.grad += g`` in place into the fp32 gradient (on a CPU ``ampfused::accumulate``, as the
-  optimizer's C++ pre-hook on the AccumulateGrad node does it), then the post-accumulate-grad hooks; then
-  ``scaler.step(opt)``; ``scaler.update()``; ``opt.zero_grad()`` (``p.grad = None``, no zeroing pass).
-  After a scaled step ``p.grad`` holds the unscaled gradient, as torch's fused AdamW leaves it.
-* ``ampfused-<backend>+keep_scaled_grads`` -- the same with ``keep_scaled_grads=True`` (scaled cases
-  only): ``p.grad`` keeps the scale, one 4 B/param write less.
-* ``ampfused-<backend>@<mode>`` -- the same in a compact-state mode of ``configs.MEMORY_MODES``
-  (``master_weights``/``state_dtype``, DESIGN §9); a backend without a native variant of the mode
-  steps those tensors through the reference passes (``functional`` [note: compact fallback]).
+"""The implementations being compared, each wrapping one training-step tail behind ``step()``: everything
+between the end of the last ``backward()`` of an optimizer step and the next forward, plus folding
+each micro-batch's gradient for low-precision params. What each provider's ``step()`` contains,
+and the bytes model of :func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics").
 
 [note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
 loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
@@ -254,38 +230,8 @@ def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provide
 
 
 def bytes_per_param(provider: str, case: Case) -> float:
-    r"""Bytes one step moves per parameter, by the pass structure of each implementation.
-
-    With ``L`` the low-precision size (2), ``N`` micro-batches, ``s`` = 1 with a scaler, ``c`` = 1
-    with clipping:
-
-    * stock, fp32 params: ``8s + 12c + 28`` -- unscale_ (read+write g: 8), clip_grad_norm_ (norm:
-      read g 4; scale: read+write g 8), AdamW (read p, g, m, v; write p, m, v: 28). 48 B with both
-      (docs/design.md §4).
-    * stock, bf16/fp16 params: ``(L+4) + (N-1)(L+8) + 8s + 12c + 28 + (4+L)`` -- cast-copy of the
-      first micro-batch, cast-add of the others, the fp32 step on the masters, and the copy of the
-      masters into the params.
-    * ampfused, fp32 params: ``4 + 28 + 4k = 32 (+4)`` -- stats pass (read g) and update pass, whatever
-      c; ``k`` = 1 with a scaler unless ``keep_scaled_grads``: the update also writes the unscaled
-      gradient into ``p.grad`` (DESIGN §2.7).
-    * ampfused, bf16/fp16: ``(L+4) + (N-1)(L+8) + 4 + (28+L) + 4k`` -- the first micro-batch written into
-      the fp32 ``p.grad`` (read g, write fp32), the others added in place (read g, read+write fp32),
-      stats pass, update pass (read p.grad, master, m, v; write master, m, v and the param; and
-      the fp32 ``p.grad`` when ``k``).
-
-    [note: nominal bytes] This is the traffic of each implementation's passes at one read/write
-    per operand; torch's foreach AdamW materializes intermediates and moves more, so its effective
-    GB/s (bytes / time) understates its real traffic. The model counts the current ampfused pass
-    structure (functional.run_step); a backend that fuses the stats into the last accumulation
-    moves 4 B/param less than counted.
-
-    * ampfused in a memory mode (``@<mode>``, bf16/fp16 params): the update pass reads and writes
-      the master's ``M`` bytes (4 fp32, 2 split16, 1 split8, 0 none) and the moments' ``S`` (8 fp32,
-      4 bf16, 2 + 8/256 int8 with their scales) instead of 12 + 16, and also reads the param where
-      the master is the param plus stored bits (or the param alone): ``28 + L`` becomes
-      ``4 + 2M + 2S + L (+ L)``. These are the bytes of a native variant; the reference fallback
-      (``functional`` [note: compact fallback]) moves several times more.
-    """
+    """Bytes one step moves per parameter, by the pass structure of each implementation, at one read
+    or write per operand (the formulas: benchmarks/README.md §1, "B/param")."""
     cfg = case.config
     s, c = int(cfg.loss_scaling), int(cfg.clip)
     lp = cfg.torch_dtype.itemsize if cfg.low_precision else 0

@@ -1,8 +1,10 @@
-"""Rows of the optimizer-step benchmark and their outputs: CSV, markdown tables (``bench.md`` in full,
-``summary.md`` for the README), and the PNG plots (``plots.py``, when matplotlib is installed)."""
+"""Rows of the optimizer-step benchmark and their outputs: CSV, the markdown tables of ``bench.md``,
+``run.json`` (what ``benchmarks/summary.py`` needs beside the CSV for the README's tables) and the
+PNG plots (``plots.py``, when matplotlib is installed)."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 
@@ -142,7 +144,9 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"- hardware: {env['hardware']}",
         f"- versions: torch {env['torch']}, triton {env['triton']}, ampfused {env['ampfused']}, python {env['python']}",
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
+        f"- {env.get('threads_choice') or 'threads: ' + env['threads']}",
         f"- {load_line(env)}; per row: 'other cores' during that case",
+        *([f"- **not to be trusted**: {env['untrusted']}"] if env.get("untrusted") else []),
         f"- timing: {budget.min_samples}+ samples and {budget.min_s:g}+ s per timing, all providers of a case and the "
         f"roofline stream interleaved (ampfused/bench/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
         f"{100 * budget.max_spread:.0f}% of the median",
@@ -168,13 +172,11 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
 
 def write_all(rows, env, backends, skipped, budget, out) -> tuple[list[str], str]:
     """Write CSV, markdown and (matplotlib permitting) plots; (paths written, why plots are missing or "")."""
-    from . import summary
-
-    paths = [os.path.join(out, "bench.csv"), os.path.join(out, "bench.md"), os.path.join(out, "summary.md")]
+    paths = [os.path.join(out, "bench.csv"), os.path.join(out, "bench.md"), os.path.join(out, "run.json")]
     write_csv(rows, paths[0])
     write_markdown(rows, env, backends, skipped, budget, paths[1])
     with open(paths[2], "w") as f:
-        f.write(summary.bench_summary(rows, env) + "\n")
+        json.dump(env, f, indent=1)
     try:
         from . import plots
     except ImportError as exc:

@@ -2,8 +2,9 @@
 
 The passes, each one launch per device whatever the number of tensors; ``ampfused.reference``
 is their specification. Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
+``host_only()`` is the seam for timing the host side of a step alone: inside it nothing is launched.
 """
-from ._runtime import NAME, supports
+from ._runtime import NAME, host_only, supports
 from .accumulate import accumulate_
 from .adamw import adamw_update_
 from .scaler import scaler_update_
@@ -13,4 +14,4 @@ from .stats import grad_stats_
 # rounding of bf16 writes); ampfused.functional sends other encodings to the reference passes.
 COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})
 
-__all__ = ["NAME", "COMPACT_MODES", "supports", "accumulate_", "grad_stats_", "adamw_update_", "scaler_update_"]
+__all__ = ["NAME", "COMPACT_MODES", "host_only", "supports", "accumulate_", "grad_stats_", "adamw_update_", "scaler_update_"]

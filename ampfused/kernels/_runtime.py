@@ -8,6 +8,7 @@ most tensors through int64 pointer tables, which would then point at device memo
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -16,6 +17,31 @@ import torch
 NAME = "triton"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+_launching = True  # False inside host_only()
+
+
+@contextlib.contextmanager
+def host_only():
+    """Inside it, every pass of this backend does its host side (plan checks, pointer tables, uploads)
+    and launches nothing, so nothing is updated: the time of a step is its host time alone, as on a
+    GPU, where launches are asynchronous. For measuring host time where the kernels would run in the
+    interpreter (``python -m ampfused bench``'s host sweep on a CPU); not for training."""
+    global _launching
+    saved, _launching = _launching, False
+    try:
+        yield
+    finally:
+        _launching = saved
+
+
+def launch(kernel, grid):
+    """``kernel[grid]``, or a call that does nothing inside :func:`host_only`."""
+    return kernel[grid] if _launching else _no_launch
+
+
+def _no_launch(*args, **kwargs) -> None:
+    return None
 
 # [note: block sizes] On a GPU a program moves BLOCK elements per loop iteration (4 warps, 8
 # elements a thread: two 16-byte vectors of fp32) and owns one CHUNK of one tensor, so a 1B-param

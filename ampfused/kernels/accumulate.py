@@ -61,6 +61,6 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     if not grad.is_contiguous():
         grad = grad.contiguous()
     is_bf16 = grad.dtype == torch.bfloat16
-    _accumulate_kernel[(triton.cdiv(numel, _runtime.ACCUMULATE_BLOCK),)](
+    _runtime.launch(_accumulate_kernel, (triton.cdiv(numel, _runtime.ACCUMULATE_BLOCK),))(
         main_grad, grad.view(torch.int16) if is_bf16 else grad, numel,
         GRAD_IS_BF16=is_bf16, BLOCK=_runtime.ACCUMULATE_BLOCK, num_warps=_runtime.NUM_WARPS)

@@ -390,7 +390,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
                             lambda: _build_group_table(group_keys, device, keep_alive))
     lr_args = [part for lr in slot_lrs + [0.0] * (LR_SLOTS - len(slot_lrs)) for part in _split_f64(lr)]
     _, counter, _ = _tables.scratch_views(scratch, device)
-    _adamw_update_kernel[(layout.n_chunks,)](
+    _runtime.launch(_adamw_update_kernel, (layout.n_chunks,))(
         rows.rows, layout.chunks, groups[0], stats, grad_scale if grad_scale is not None else stats, counter,
         rows.n_tensors, layout.n_chunks, *lr_args, seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,

@@ -52,7 +52,7 @@ def scaler_update_(found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hys
                    skipped_steps: Tensor, consecutive_skips: Tensor, watch: Tensor, *, growth_factor: float,
                    backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float | None) -> None:
     """One GradScaler.update on the device, one launch; see ``ampfused._backends``."""
-    _scaler_update_kernel[(1,)](
+    _runtime.launch(_scaler_update_kernel, (1,))(
         found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
         *split_f64(float(growth_factor)), *split_f64(float(backoff_factor)), float(min_scale or 0.0),
         int(growth_interval), int(hysteresis),

@@ -124,7 +124,7 @@ def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_
     else:
         layout, rows, grads = _tables_of(grads, device, scratch)  # (copies live past the launch)
     counter, _, partials = _tables.scratch_views(scratch, device)
-    _grad_stats_kernel[(layout.grid,)](
+    _runtime.launch(_grad_stats_kernel, (layout.grid,))(
         rows.rows, layout.chunks, grad_scale if grad_scale is not None else stats,
         found_inf if found_inf is not None else stats, stats, partials, counter, layout.n_chunks,
         float(max_grad_norm) if max_grad_norm is not None else 0.0,

@@ -1,9 +1,12 @@
 """Smoke tests of the benchmarks: `python -m ampfused bench --quick` end to end, its correctness gate,
-the `unstable` marking (with a fake clock) and `--strict`, runs without the optional plotting and
-progress packages, and a tiny run of the end-to-end training benchmark. Runs of the commands are
-subprocesses started outside the repository, as a user would run the installed package."""
+the `unstable` marking (with a fake clock) and `--strict`, the thread count it picks from the load,
+runs without the optional plotting and progress packages; and the checkout's benchmarks/ (the
+end-to-end training benchmark, the README-table writer). Runs of the commands are subprocesses
+started outside the repository, as a user would run the installed package (and the checkout's
+scripts by their path)."""
 import csv
 import importlib.util
+import json
 import itertools
 import math
 import os
@@ -16,18 +19,22 @@ import torch
 
 import ampfused
 from ampfused import _compiled
-from ampfused.bench import configs, measure, report, summary, train_modes
+from ampfused.bench import configs, environment, measure, report
 
 HAVE_COMPILED = _compiled.load()[0] is not None
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_study(name):
-    """A one-off study of the checkout's benchmarks/ folder (not installed), loaded from its file."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    """A module of the checkout's benchmarks/ folder (not installed), loaded from its file."""
+    path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"ampfused_study_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+summary = load_study("summary")
 
 
 def run(args, cwd, timeout=300):
@@ -45,7 +52,7 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     proc = run(["-m", "ampfused", "bench", "--quick", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness gate: PASSED" in proc.stdout
-    for name in ("bench.csv", "bench.md", "summary.md", "size_sweep.png", "configs_speedup.png", "tensors_sweep.png",
+    for name in ("bench.csv", "bench.md", "run.json", "size_sweep.png", "configs_speedup.png", "tensors_sweep.png",
                  "host_sweep.png"):
         assert (out / name).stat().st_size > 0, name
     rows = read_rows(out / "bench.csv")
@@ -83,7 +90,11 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     assert 18 <= float(main["kept_bytes_per_param"]) < 18.1  # 2 + 4 + 8 + 4, measured from the tensors
     assert 9 <= kept["split8+int8"] < 9.1 and 16 <= kept["split16"] < 16.1  # (int8: + 8 B of scales per 256)
     assert float(modes["split8+int8"]["bytes_per_param"]) < float(main["bytes_per_param"])
-    assert "Memory modes" in (out / "summary.md").read_text()
+    tables = summary.bench_summary(*summary.read_bench(out))  # the README's tables, from bench.csv and run.json
+    assert "Memory modes" in tables and "speed × fp32 masters" in tables
+    host = [line for line in tables.splitlines() if line.startswith("| 148 |")]
+    assert sorted(line.split(" | ")[2] for line in host) == ["fresh", "same", "same"]  # no two rows read alike
+    assert len({tuple(line.split(" | ")[:3]) for line in host}) == 3
 
 
 WRONG_KERNEL = """
@@ -111,14 +122,14 @@ def test_bench_gate_rejects_a_wrong_kernel(tmp_path):
 def test_bench_train_tiny_run_passes_parity(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "train"
-    proc = run(["-m", "ampfused.bench.bench_train", "--tiny", "--out", str(out)], cwd=tmp_path)
+    proc = run([str(BENCHMARKS / "bench_train.py"), "--tiny", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity: PASS" in proc.stdout
     for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
     rows = {r["variant"]: r for r in read_rows(out / "train.csv")}
     modes = {r["mode"]: r for r in rows.values() if r["mode"]}
-    assert set(modes) == set(train_modes.MODES)  # one variant per memory mode, each gated against fp32
+    assert set(modes) == set(load_study("train_modes").MODES)  # one variant per memory mode, each gated against fp32
     assert all(r["parity"] == "PASS" and abs(float(r["rel_diff_vs_fp32"])) <= 0.01 for r in modes.values())
     kept = {m: float(r["kept_bytes_per_param"]) for m, r in modes.items()}
     fp32_masters = float(rows["ampfused-bf16-params"]["kept_bytes_per_param"])
@@ -218,7 +229,7 @@ def test_strict_fails_the_run_on_unstable_timings(tmp_path):
     rows = read_rows(tmp_path / "a" / "bench.csv")
     assert all(r["unstable"] for r in rows)
     assert "**unstable**" in (tmp_path / "a" / "bench.md").read_text()
-    assert "4 of 4 timings unstable" in (tmp_path / "a" / "summary.md").read_text()
+    assert "4 of 4 timings unstable" in summary.bench_summary(*summary.read_bench(tmp_path / "a"))
 
 
 # ---------------------------------------------------------------- optional dependencies
@@ -238,14 +249,15 @@ def test_bench_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
                 "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "bench.csv").stat().st_size > 0 and "| torch-fused |" in (out / "bench.md").read_text()
-    assert (out / "summary.md").exists() and not list(out.glob("*.png"))
+    assert (out / "run.json").exists() and not list(out.glob("*.png"))
     assert 'matplotlib is not installed; `pip install "ampfused[bench]"` for the PNG plots' in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_bench_train_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
     out = tmp_path / "train"
-    code = WITHOUT_BENCH_EXTRA.replace("from ampfused.bench import bench", "from ampfused.bench import bench_train as bench")
+    code = WITHOUT_BENCH_EXTRA.replace("from ampfused.bench import bench",
+                                       f"sys.path.insert(0, {str(BENCHMARKS)!r})\nimport bench_train as bench")
     proc = run(["-c", code, "--tiny", "--steps", "12", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "train.csv").exists() and (out / "train.md").exists() and not (out / "loss_curves.png").exists()
@@ -256,10 +268,20 @@ def test_summary_command_pastes_the_tables_into_the_readme(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench-summary -->\nold table\n<!-- end -->\nmiddle\n<!-- train-summary -->\nold\n<!-- end -->\n")
     (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "summary.md").write_text("| new | bench |\n")
+    rows = _rows("")
+    report.write_csv(rows, tmp_path / "b" / "bench.csv")
+    env = {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a", "command": "python -m ampfused bench",
+           "wall_s": "99", "other_cores": "1.00", "untrusted": ""}
+    (tmp_path / "b" / "run.json").write_text(json.dumps(env))
     assert summary.main(["--bench", str(tmp_path / "b"), "--readme", str(readme)]) == 0
-    assert readme.read_text() == ("intro\n<!-- bench-summary -->\n| new | bench |\n<!-- end -->\nmiddle\n"
+    table = summary.bench_summary(rows, env)  # the CSV's rows give the table the rows themselves give
+    assert (tmp_path / "b" / "summary.md").read_text() == table + "\n" and "| 2.00 |" in table and "99 s wall" in table
+    assert readme.read_text() == (f"intro\n<!-- bench-summary -->\n{table}\n<!-- end -->\nmiddle\n"
                                   "<!-- train-summary -->\nold\n<!-- end -->\n")
+    loaded = summary.bench_summary(rows, {**env, "command": "python -m ampfused bench --out /tmp/x --quick",
+                                          "untrusted": "no thread count fits the free cores"})
+    assert "`python -m ampfused bench --quick`" in loaded and "/tmp/x" not in loaded  # no path of the machine
+    assert "**no thread count fits the free cores.**" in loaded
     with pytest.raises(SystemExit) as exit_info:  # a folder without a run is an argument error, not a traceback
         summary.main(["--train", str(tmp_path / "missing"), "--readme", str(readme)])
     assert exit_info.value.code == 2
@@ -299,7 +321,7 @@ def test_split16_twin_counts_ties_and_catches_a_master_off_by_more_than_the_tie_
     """bench train's identity check of split16 (train_modes [note: split16 lockstep twin]) on its own."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5000).mul_(0.02).bfloat16())]
-    twin = train_modes.Split16Twin(params, lr=3e-3, backend="reference")
+    twin = load_study("train_modes").Split16Twin(params, lr=3e-3, backend="reference")
     opt = ampfused.FusedAmpAdamW(params, lr=3e-3, backend="reference", master_weights="split16")
     for step in range(30):
         params[0].main_grad.copy_(torch.randn(5000).mul_(1e-3))
@@ -318,3 +340,55 @@ def test_split16_twin_counts_ties_and_catches_a_master_off_by_more_than_the_tie_
     opt.step()
     twin.check(params, opt, 30)
     assert twin.verdict().startswith("NOT identical to fp32 masters: step 30, param 0: master differs")
+
+
+# ---------------------------------------------------------------- threads that fit the free cores
+
+
+@pytest.mark.parametrize("requested, other, threads, trusted", [
+    (None, 0.05, 2, True),   # idle: every core
+    (None, 1.0, 1, True),    # one spinning neighbour on 2 cores: 1 thread
+    (None, 0.6, 1, True),    # most of a core taken: it is not free
+    (None, 1.9, 1, False),   # no core free: no setting fits
+    (2, 1.0, 2, False),      # --threads wins, but 2 threads do not fit 1 free core
+    (1, 1.0, 1, True),
+])
+def test_threads_follow_the_free_cores(monkeypatch, requested, other, threads, trusted):
+    monkeypatch.setattr(environment.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(environment.os, "cpu_count", lambda: 2)
+    got, line, untrusted = environment.pick_threads(requested, other=other)
+    assert got == threads and line.startswith(f"threads: {threads} of 2 cores") and f"kept {other:.2f} of 2" in line
+    assert (untrusted == "") == trusted and (trusted or "not to be trusted" in untrusted)
+
+
+def test_bench_header_names_the_threads_and_the_load(tmp_path):
+    out = tmp_path / "r"
+    proc = run(["-m", "ampfused", "bench", "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+                "--out", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("threads: "))
+    env = json.loads((out / "run.json").read_text())
+    assert line.startswith(f"threads: {env['threads']} of ") and "busy in the 1 s before the start" in line
+    assert ("not to be trusted" in proc.stdout) == bool(env["untrusted"])  # said where it applies, and only there
+    assert ("**not to be trusted**" in (out / "bench.md").read_text()) == bool(env["untrusted"])
+    assert f"- {line}\n" in (out / "bench.md").read_text()  # the report says it too
+
+
+def test_host_only_runs_the_triton_host_side_and_launches_nothing():
+    """The seam the host sweep times the Triton backend through on a CPU (ampfused.kernels.host_only)."""
+    from ampfused import _backends
+
+    module, why = _backends.probe("triton")
+    if module is None or _backends._device_reason(module, torch.device("cpu")):
+        pytest.skip(f"the Triton backend cannot run on CPU tensors here: {why or 'TRITON_INTERPRET is not set'}")
+    from ampfused import kernels
+
+    params = [torch.nn.Parameter(torch.ones(300)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt = ampfused.FusedAmpAdamW(params, lr=0.1, backend="triton", max_grad_norm=1.0)
+    with kernels.host_only():
+        opt.step()  # tables built, arguments checked, nothing launched
+    assert all(torch.equal(p, torch.ones(300)) for p in params) and opt.state[params[0]]["exp_avg"].abs().sum() == 0
+    opt.step()  # and outside it the same optimizer steps
+    assert all(bool((p < 1).all()) for p in params)

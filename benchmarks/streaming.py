@@ -1,14 +1,9 @@
 """Large tensors: how fast each pass streams, and the whole step against torch fused.
 
-``python -m ampfused.bench.streaming`` (defaults: 50M fp32 params in 4 tensors, 1 and 2 threads):
+From a checkout: ``python benchmarks/streaming.py`` (defaults: 50M fp32 params in 4 tensors, 1 and 2 threads):
 
-1. **passes**: every pass of the compiled backend alone (``torch.ops.ampfused.*``) and torch's own
-   passes (the fused AdamW step, ``_foreach_norm`` and ``_foreach_mul_`` of ``clip_grad_norm_``, a
-   plain read ``sum``), timed interleaved with the roofline stream ``a += b`` over the same number of
-   fp32 elements (``measure.interleaved``). Each gets its modeled bytes per element, GB/s and the
-   fraction of the roofline's GB/s. A read-only pass (stats, norm, sum) moves no write-back; on a
-   CPU core its GB/s is capped by the misses one core keeps in flight, below the ``a += b`` stream's
-   (the ``sum`` row shows that cap for stock torch).
+1. **passes**: every pass alone against the ``a += b`` stream, as the ``passes`` sweep of
+   ``python -m ampfused bench`` measures them (``ampfused/bench/passes.py``).
 2. **steps**: the whole ``step()`` with fresh gradients each step (new ``p.grad`` tensors, written
    just before the step outside the timing, as backward leaves them; ``p.grad = None`` after it):
    torch fused vs ``FusedAmpAdamW(skip_nonfinite=False)`` (*plain*, one pass) and the default
@@ -19,121 +14,20 @@
 
 Writes ``streaming.csv`` and ``streaming.md`` to ``--out`` and prints the tables with the load of
 the machine (load average, and the cores other processes kept busy: ``environment.Load``).
-``python -m ampfused bench`` runs part 1 as its ``passes`` sweep (``pass_rows``).
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import math
-import os
 import sys
 import time
 
 import torch
 
 import ampfused
-
-from . import cli, measure
-from .configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
-from .environment import Load, environment, loadavg
-
-COLUMNS = ["date", "hardware", "torch", "ampfused", "clock", "section", "threads", "numel", "tensors", "name", "bytes_per_elem",
-           "median_ms", "p20_ms", "p80_ms", "samples", "unstable", "gbps", "roofline_gbps", "roofline_frac",
-           "baseline", "speedup_vs_baseline", "loadavg_before", "loadavg_after", "other_cores"]
-
-
-# ---------------------------------------------------------------- 1. passes
-
-
-class PassBench:
-    """Tensors and timed functions of every pass over ``sizes`` fp32 elements (shared where a pass only
-    reads them or where mutating them keeps every value finite)."""
-
-    def __init__(self, sizes: list[int], device: torch.device, backend_name: str = "cpu"):
-        from ampfused import _backends
-        from ampfused._contract import Hyper
-
-        gen = torch.Generator(device=device).manual_seed(0)
-        self.backend = _backends.resolve(backend_name, device)[0]
-        randn = lambda n, std: torch.randn(n, generator=gen, device=device).mul_(std)  # noqa: E731
-        self.params = [randn(n, 0.02) for n in sizes]
-        self.grads = [randn(n, GRAD_STD) for n in sizes]
-        self.exp_avgs = [torch.zeros(n, device=device) for n in sizes]
-        self.exp_avg_sqs = [torch.zeros(n, device=device) for n in sizes]
-        self.steps = [torch.zeros((), device=device) for _ in sizes]
-        self.low = [p.to(torch.bfloat16) for p in self.params]  # bf16 params (their masters: self.params)
-        self.low_grads = [g.to(torch.bfloat16) for g in self.grads]
-        self.group_ids = [0] * len(sizes)  # one param group
-        self.groups = [Hyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, False, False)]
-        self.none = [None] * len(sizes)
-        self.stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=device)  # not skipped, factor 1
-        self.grad_scale = torch.ones((), device=device)
-        self.norm_stats = torch.empty(4, device=device)
-        self.torch_params = [torch.nn.Parameter(p.clone()) for p in self.params]
-        for p, g in zip(self.torch_params, self.grads):
-            p.grad = g  # read only by the fused step
-        self.torch_opt = torch.optim.AdamW(self.torch_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                                           fused=True)
-        self.torch_opt.step()  # its lazy state
-
-    def update(self, params, masters, grad_scale=None) -> None:
-        self.backend.adamw_update_(params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.none, self.steps, masters,
-                                   self.group_ids, self.groups, self.stats, grad_scale=grad_scale)
-
-    def functions(self) -> dict[str, tuple[float, object]]:
-        """name -> (modeled bytes per element, fn). Every update leaves the grads as they were (a unit
-        scale writes them back unchanged)."""
-        b = self
-        return {
-            "stats: read g (fp32)": (4, lambda: b.backend.grad_stats_(b.grads, None, None, MAX_GRAD_NORM, b.norm_stats)),
-            "update: fp32 param, g, m, v in place": (28, lambda: b.update(b.params, b.none)),
-            "update + unscaled g written back": (32, lambda: b.update(b.params, b.none, b.grad_scale)),
-            "update: bf16 param, fp32 master": (30, lambda: b.update(b.low, b.params)),
-            "accumulate: fp32 += bf16": (10, lambda: [b.backend.accumulate_(g, lg) for g, lg in zip(b.grads, b.low_grads)]),
-            "torch fused AdamW step (fp32)": (28, b.torch_opt.step),
-            "torch _foreach_norm (clip's read)": (4, lambda: torch._foreach_norm(b.grads)),
-            "torch _foreach_mul_ (clip's scale)": (8, lambda: torch._foreach_mul_(b.grads, 1.0)),
-            "torch sum (a plain read)": (4, lambda: [g.sum() for g in b.grads]),
-        }
-
-
-def pass_rows(numel: int, tensors: int, device: torch.device, budget: measure.Budget, env: dict,
-              backend_name: str = "cpu", clock=time.perf_counter) -> list[dict]:
-    """Part 1 at the current thread count: one row per pass (and the roofline's own)."""
-    sizes = [numel // tensors] * tensors
-    sizes[0] += numel - sum(sizes)
-    bench = PassBench(sizes, device, backend_name)
-    roofline = measure.DeviceCopy(12 * numel, device)  # a += b over numel fp32 elements
-    fns = {name: fn for name, (_, fn) in bench.functions().items()}
-    fns["roofline: a += b (fp32)"] = roofline.fn
-    load = Load().start()
-    timings = measure.interleaved(fns, device, budget, clock=clock)
-    other = load.stop()
-    roof = timings["roofline: a += b (fp32)"]
-    roof_gbps = roofline.gbps(roof) if not roof.error else math.nan
-    rows = []
-    per_elem = {name: nbytes for name, (nbytes, _) in bench.functions().items()}
-    per_elem["roofline: a += b (fp32)"] = 12
-    for name, t in timings.items():
-        row = _row(env, "passes", numel, tensors, name, per_elem[name], t, load, other)
-        row.update(roofline_gbps=roof_gbps, roofline_frac=row["gbps"] / roof_gbps if row["gbps"] != "" else "")
-        rows.append(row)
-    return rows
-
-
-def _row(env, section, numel, tensors, name, nbytes, t: measure.Timing, load: Load, other: float) -> dict:
-    row = {c: "" for c in COLUMNS}
-    row.update({k: v for k, v in env.items() if k in row})
-    row.update(section=section, numel=numel, tensors=tensors, name=name, bytes_per_elem=nbytes,
-               loadavg_before=load.loadavg_before, loadavg_after=load.loadavg_after, other_cores=other)
-    if t.error:
-        row.update(unstable=f"error: {t.error}")
-        return row
-    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, samples=t.samples, unstable=t.unstable,
-               gbps=nbytes * numel / (t.median_ms * 1e-3) / 1e9)
-    return row
-
+from ampfused.bench import cli, measure
+from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY
+from ampfused.bench.environment import Load, environment, loadavg
+from ampfused.bench.passes import fmt, make_row, ms_cell, pass_rows, pass_table, write
 
 # ---------------------------------------------------------------- 2. steps
 
@@ -222,7 +116,7 @@ def step_rows(numel: int, tensors: int, rounds: int, env: dict, clock=time.perf_
     rows = []
     for name, t in timings.items():
         baseline, nbytes = STEP_PROVIDERS[name]
-        row = _row(env, "steps", numel, tensors, name, nbytes, t, load, other)
+        row = make_row(env, "steps", numel, tensors, name, nbytes, t, load, other)
         if baseline:
             row.update(baseline=baseline, speedup_vs_baseline=timings[baseline].median_ms / t.median_ms)
         rows.append(row)
@@ -261,67 +155,18 @@ def cpu_clock(threads: int):
     return lambda: time.process_time() / threads
 
 
-def _fmt(value, spec: str) -> str:
-    return "–" if value == "" or value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
-def pass_table(rows: list[dict]) -> str:
-    lines = ["| threads | pass | B/elem | ms median (p20–p80) | GB/s | % of a += b | timing | load avg | other cores |",
-             "|---:|---|---:|---|---:|---:|---|---|---:|"]
-    for r in rows:
-        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {_ms(r)} | {_fmt(r['gbps'], '.1f')} | "
-                     f"{_fmt(r['roofline_frac'] * 100 if r['roofline_frac'] != '' else '', '.0f')} | "
-                     f"{r['unstable'] or 'stable'} | {r['loadavg_before']} | {_fmt(r['other_cores'], '.2f')} |")
-    return "\n".join(lines)
-
-
 def step_table(rows: list[dict]) -> str:
     lines = ["| threads | step | B/elem | ms median (p20–p80) | GB/s | × baseline | timing | load avg | other cores |",
              "|---:|---|---:|---|---:|---|---|---|---:|"]
     for r in rows:
         ratio = f"{r['speedup_vs_baseline']:.2f} × {r['baseline']}" if r["baseline"] else "(baseline)"
-        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {_ms(r)} | {_fmt(r['gbps'], '.1f')} | "
-                     f"{ratio} | {r['unstable'] or 'stable'} | {r['loadavg_before']} | {_fmt(r['other_cores'], '.2f')} |")
+        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {ms_cell(r)} | {fmt(r['gbps'], '.1f')} | "
+                     f"{ratio} | {r['unstable'] or 'stable'} | {r['loadavg_before']} | {fmt(r['other_cores'], '.2f')} |")
     return "\n".join(lines)
 
 
-def _ms(r) -> str:
-    if r["median_ms"] == "":
-        return "–"
-    return f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}–{r['p80_ms']:.1f})"
-
-
-def write(rows: list[dict], out: str, title: str, env: dict, stem: str = "streaming") -> list[str]:
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, f"{stem}.csv"), os.path.join(out, f"{stem}.md")]
-    with open(paths[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    with open(paths[1], "w") as f:
-        f.write(markdown(rows, title, env) + "\n")
-    return paths
-
-
-def markdown(rows: list[dict], title: str, env: dict) -> str:
-    parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
-             f"- versions: torch {env['torch']}, ampfused {env['ampfused']}",
-             f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, ampfused/bench/streaming.py "
-             "[note: CPU-time clock])", ""]
-    passes = [r for r in rows if r["section"] == "passes"]
-    steps = [r for r in rows if r["section"] == "steps"]
-    if passes:
-        parts += [f"## Passes at {human(passes[0]['numel'])} fp32 elements in {passes[0]['tensors']} tensors", "",
-                  pass_table(passes), ""]
-    if steps:
-        parts += [f"## Steps at {human(steps[0]['numel'])} params in {steps[0]['tensors']} tensors, fresh gradients "
-                  "each step", "", step_table(steps), ""]
-    return "\n".join(parts)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ampfused.bench.streaming", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/streaming.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=cli.parse_size, default=50_000_000, help="fp32 params in all (default 50M)")
     parser.add_argument("--tensors", type=cli.positive_int, default=4, help="tensors they are split into (default 4)")
     parser.add_argument("--threads", type=cli.size_list, default=(1, 2), help="thread counts (default 1,2)")
@@ -349,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(step_table(part), flush=True)
             rows += part
     env = dict(environment(device, torch.get_num_threads()), clock=args.clock)
-    paths = write(rows, args.out, "Large tensors: passes and steps", env)
+    paths = write(rows, args.out, "Large tensors: passes and steps", env, "streaming", step_table)
     print("wrote " + ", ".join(paths))
     return 0
 

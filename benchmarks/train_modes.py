@@ -25,8 +25,8 @@ from torch import Tensor
 import ampfused
 from ampfused import _compact
 
-from . import measure
-from .configs import MEMORY_MODES
+from ampfused.bench import measure
+from ampfused.bench.configs import MEMORY_MODES
 
 # name -> FusedAmpAdamW keyword arguments; the names of configs.MEMORY_MODES (the step benchmark's rows)
 MODES = {name: dict(master_weights=MEMORY_MODES[name][0], state_dtype=MEMORY_MODES[name][1])

@@ -1,21 +1,42 @@
-"""The README's results tables, generated from a benchmark run, and the command that pastes them in.
+"""The README's results tables, generated from benchmark runs, and the command that pastes them in.
 
-``bench`` writes ``summary.md`` next to ``bench.md``; ``bench train`` writes ``summary.md`` next to
-``train.md``. To refresh the README after new runs:
+``python -m ampfused bench`` writes ``bench.csv`` and ``run.json`` (its command, load and wall
+time) to its ``--out``; ``python benchmarks/bench_train.py`` writes ``summary.md`` next to
+``train.md``. To refresh the README after new runs, from a checkout:
 
-    python -m ampfused.bench.summary --bench bench-results --train bench-results/train --readme README.md
+    python benchmarks/summary.py --bench bench-results --train bench-results/train --readme README.md
 
 which replaces what lies between the ``<!-- bench-summary -->`` / ``<!-- train-summary -->``
-markers and their ``<!-- end -->`` lines. [note: generated results] numbers in the README come
-only from a run's output, with its date, machine and command, so they can be regenerated rather
-than hand-edited.
+markers and their ``<!-- end -->`` lines (and writes the bench table to ``<bench>/summary.md``).
+Numbers in the README come only from a run's output, with its date, machine, command and load, so
+they can be regenerated rather than hand-edited.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import re
 import sys
+
+TEXT_COLUMNS = {"date", "device", "hardware", "torch", "triton", "ampfused", "python", "plan", "sweeps", "case",
+                "config", "param_dtype", "family", "provider", "status", "detail", "timer", "unstable", "loadavg"}
+
+
+def read_bench(folder: str) -> tuple[list[dict], dict]:
+    """The rows of a bench run's ``bench.csv`` (numbers as numbers, "" kept) and its ``run.json``."""
+    def value(key, text):
+        if key in TEXT_COLUMNS or text == "":
+            return text
+        if text in ("True", "False"):
+            return text == "True"
+        return float(text)
+
+    with open(os.path.join(folder, "bench.csv"), newline="") as f:
+        rows = [{k: value(k, v) for k, v in r.items()} for r in csv.DictReader(f)]
+    with open(os.path.join(folder, "run.json")) as f:
+        return rows, json.load(f)
 
 
 def _main_backend(rows) -> str | None:
@@ -32,6 +53,15 @@ def _cell(row, key="median_ms", spec=".2f") -> str:
     return format(row[key], spec) + (" †" if row["unstable"] else "")
 
 
+def command(env: dict, default: str) -> str:
+    """The run's command without its ``--out`` folder (a path of the machine it ran on)."""
+    words, out = env.get("command", default).split(), []
+    for i, word in enumerate(words):
+        if not (word.startswith("--out=") or word == "--out" or (i and words[i - 1] == "--out")):
+            out.append(word)
+    return " ".join(out)
+
+
 def bench_summary(rows: list[dict], env: dict) -> str:
     main = _main_backend(rows)
     ampfused = list(dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("ampfused-") and "@" not in r["provider"]
@@ -44,10 +74,11 @@ def bench_summary(rows: list[dict], env: dict) -> str:
     untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
     lines = [
         f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}, triton {env['triton']}, "
-        f"ampfused {env['ampfused']}; `{env.get('command', 'python -m ampfused bench')}` "
+        f"ampfused {env['ampfused']}; `{command(env, 'python -m ampfused bench')}` "
         f"({env.get('wall_s', '?')} s wall; other processes kept {env.get('other_cores', '?')} cores busy on average). "
+        + (f"**{env['untrusted']}.** " if env.get("untrusted") else "") +
         f"{unstable} of {len(timed)} timings unstable (marked †). ms per step, median." +
-        (f" Gated on every case but not timed (the oracle): {', '.join(untimed)}." if untimed else ""),
+        (f" Gated but not timed (the oracle): {', '.join(untimed)}." if untimed else ""),
         "",
     ]
     device_cases = [c for c, p in by_case.items() if next(iter(p.values()))["timer"] != "host"]
@@ -68,13 +99,17 @@ def bench_summary(rows: list[dict], env: dict) -> str:
         lines.append("")
     host_cases = [c for c in by_case if c not in device_cases]
     if host_cases:
-        lines += ["Host time per step (`opt.step()` + `scaler.update()` on tiny tensors, device time ≈ 0), ms, median:", ""]
-        head = ["tensors", "clip", "torch-fused", *ampfused, *(f"{a} ÷ torch-fused" for a in ampfused)]
-        lines += ["| " + " | ".join(head) + " |", "|---:|---" + "|---:" * (len(head) - 2) + "|"]
+        lines += ["Host time per step (`opt.step()` + `scaler.update()` on tiny tensors, device time ≈ 0), ms, median; "
+                  "grads: *same* = autograd accumulates into the same `p.grad` every step, *fresh* = new `p.grad` "
+                  "tensors every step (`zero_grad(set_to_none=True)`); a ratio below 1 is ampfused faster:", ""]
+        head = ["tensors", "clip", "grads", "torch-fused", *ampfused, *(f"{a} ÷ torch-fused" for a in ampfused)]
+        lines += ["| " + " | ".join(head) + " |", "|---:|---|---" + "|---:" * (len(head) - 3) + "|"]
         for case in host_cases:
             p = by_case[case]
             any_row = next(iter(p.values()))
-            cells = [str(any_row["tensors"]), "yes" if any_row["clip"] else "no", _cell(p.get("torch-fused"), spec=".3f"),
+            grads = "fresh" if any_row["config"].endswith("fresh-grads") else "same"
+            cells = [str(int(any_row["tensors"])), "yes" if any_row["clip"] else "no", grads,
+                     _cell(p.get("torch-fused"), spec=".3f"),
                      *(_cell(p.get(a), spec=".3f") for a in ampfused),
                      *(_cell(p.get(a), "host_ratio_vs_torch_fused") if p.get(a) and p[a]["host_ratio_vs_torch_fused"] != ""
                        else "–" for a in ampfused)]
@@ -91,7 +126,8 @@ def memory_table(rows: list[dict], main: str | None) -> list[str]:
         return []
     lines = ["", f"Memory modes (DESIGN §9) on bf16 params, {main}: ms per step, median / bytes kept per param "
                  "between steps (params, master, moments, fp32 gradients; measured from the tensors):", "",
-             "| case | provider | ms/step | × fp32 masters | kept B/param |", "|---|---|---:|---:|---:|"]
+             "| case | provider | ms/step | speed × fp32 masters (their ms ÷ this row's; above 1 is faster) | kept B/param |",
+             "|---|---|---:|---:|---:|"]
     by_case: dict[str, dict[str, dict]] = {}
     for r in memory:
         by_case.setdefault(r["case"], {})[r["provider"]] = r
@@ -109,7 +145,7 @@ def memory_table(rows: list[dict], main: str | None) -> list[str]:
 
 def train_summary(table: str, env: dict) -> str:
     return (f"Measured {env['date']} on {env['hardware']}; torch {env['torch']}; "
-            f"`{env.get('command', 'python -m ampfused bench train')}` ({env.get('wall_s', '?')} s wall; other processes "
+            f"`{command(env, 'python benchmarks/bench_train.py')}` ({env.get('wall_s', '?')} s wall; other processes "
             f"kept {env.get('other_cores', '?')} cores busy on average); "
             f"model {env.get('model', '?')}, {env.get('steps', '?')} steps of {env.get('batch', '?')}, "
             f"{env.get('amp_dtype', '?')} autocast.\n\n{table}")
@@ -123,27 +159,34 @@ def replace_block(text: str, marker: str, content: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ampfused.bench.summary",
-                                     description="paste the summary.md of benchmark runs into the README")
+    parser = argparse.ArgumentParser(prog="python benchmarks/summary.py",
+                                     description="paste the tables of benchmark runs into the README")
     parser.add_argument("--bench", help="output folder of `python -m ampfused bench`")
-    parser.add_argument("--train", help="output folder of `python -m ampfused bench train`")
+    parser.add_argument("--train", help="output folder of `python benchmarks/bench_train.py`")
     parser.add_argument("--readme", default="README.md")
     args = parser.parse_args(argv)
     if not (args.bench or args.train):
         parser.error("give --bench and/or --train")
-    for folder in (args.bench, args.train):
-        if folder and not os.path.isfile(os.path.join(folder, "summary.md")):
-            parser.error(f"{folder}: no summary.md (run the benchmark with --out {folder} first)")
+    if args.bench and not all(os.path.isfile(os.path.join(args.bench, n)) for n in ("bench.csv", "run.json")):
+        parser.error(f"{args.bench}: no bench.csv and run.json (run `python -m ampfused bench --out {args.bench}` first)")
+    if args.train and not os.path.isfile(os.path.join(args.train, "summary.md")):
+        parser.error(f"{args.train}: no summary.md (run `python benchmarks/bench_train.py --out {args.train}` first)")
     try:
         with open(args.readme) as f:
             text = f.read()
     except OSError as exc:
         parser.error(f"--readme: {exc.strerror}: {args.readme}")
+    tables = {}
+    if args.bench:
+        tables["bench-summary"] = bench_summary(*read_bench(args.bench))
+        with open(os.path.join(args.bench, "summary.md"), "w") as f:
+            f.write(tables["bench-summary"] + "\n")
+    if args.train:
+        with open(os.path.join(args.train, "summary.md")) as f:
+            tables["train-summary"] = f.read()
     try:
-        for marker, folder in (("bench-summary", args.bench), ("train-summary", args.train)):
-            if folder:
-                with open(os.path.join(folder, "summary.md")) as f:
-                    text = replace_block(text, marker, f.read())
+        for marker, table in tables.items():
+            text = replace_block(text, marker, table)
     except ValueError as exc:
         parser.error(f"{args.readme}: {exc}")
     with open(args.readme, "w") as f:

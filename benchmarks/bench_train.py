@@ -1,6 +1,6 @@
 """End-to-end training benchmark: a small byte-level GPT on the Python standard library's source.
 
-Run as ``python -m ampfused.bench.bench_train`` (or ``python -m ampfused bench train``).
+Run from a checkout: ``python benchmarks/bench_train.py`` (``--help`` for the options).
 Every variant trains the same model from the same initial weights on the same batches, with
 gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1.0:
 
@@ -49,10 +49,12 @@ import torch
 
 import ampfused
 from ampfused import _compact
+from ampfused.bench import cli, measure
+from ampfused.bench.environment import Load, environment
 
-from . import cli, measure, train_modes
-from .environment import Load, environment
-from .model import GPT, GPTConfig, batches, stdlib_corpus
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however this file is loaded
+import train_modes  # noqa: E402
+from train_model import GPT, GPTConfig, batches, stdlib_corpus  # noqa: E402
 
 PRESETS = {
     # micro_batch sequences of `context` bytes, `accum` micro-batches per step
@@ -68,10 +70,11 @@ PRESETS = {
                 corpus=30_000_000, eval_batches=32, lr=1e-3),
 }
 MAX_GRAD_NORM = 1.0
+PROG = "python benchmarks/bench_train.py"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv, prog="python -m ampfused.bench.bench_train"):
+def parse_args(argv, prog=PROG):
     from ampfused import _backends
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -296,7 +299,7 @@ def notes(results, tolerance) -> list[str]:
 
 def write_outputs(results, env, out, tolerance) -> tuple[list[str], str]:
     """Write CSV and markdown, then the loss plot when matplotlib is there; (paths, why the plot is missing or "")."""
-    from .summary import train_summary
+    from summary import train_summary
 
     os.makedirs(out, exist_ok=True)
     columns = ["variant", "mode", "backend", "tokens_per_s", "step_ms", "step_p20_ms", "step_p80_ms", "unstable",
@@ -331,15 +334,69 @@ def write_outputs(results, env, out, tolerance) -> tuple[list[str], str]:
     with open(paths[3], "w") as f:
         f.write(train_summary(table, env) + "\n")
     try:
-        from .plots import plot_losses
-
         path = plot_losses(results, env, out)
     except ImportError as exc:
         return paths, f"{exc.name or exc} is not installed; `{cli.BENCH_EXTRA_HINT}` for loss_curves.png"
     return paths + [path], ""
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m ampfused.bench.bench_train") -> int:
+# ---------------------------------------------------------------- the loss plot (matplotlib)
+
+
+def _smooth(values, window):
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_losses(results, env, out) -> str:
+    """Loss curves on top; below, each run's loss minus the fp32 run's (smoothed), where overlapping curves
+    part: the precision recipes in one panel, the memory modes (with their fp32-master run) in another."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    window = max(1, len(results[0]["losses"]) // 40)
+    modes = [r for r in results if r["mode"]]
+    panels = 3 if modes else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(8.5, 4 + 2.6 * (panels - 1)), sharex=True,
+                             gridspec_kw={"height_ratios": [3] + [2] * (panels - 1)})
+    top, recipes = axes[0], axes[1]
+    reference = _smooth(results[0]["losses"], window)
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    fp32_masters = next((r["variant"] for r in modes), "").partition("@")[0]
+    for i, r in enumerate(results):
+        curve = _smooth(r["losses"], window)
+        label = f"{r['variant']} (held-out {r['eval_loss']:.3f}, {100 * r['rel_diff_vs_fp32']:+.2f}%)"
+        style = ":" if r["mode"] else ("-" if r["variant"].startswith("ampfused") or r["variant"] == "fp32" else "--")
+        kwargs = dict(color=palette[i % len(palette)], linewidth=1.0 if r["mode"] else 1.3)
+        top.plot(curve, style, label=label, **kwargs)
+        diff = [c - f for c, f in zip(curve, reference)]
+        if not r["mode"]:
+            recipes.plot(diff, style, **kwargs)
+        if modes and (r["mode"] or r["variant"] == fp32_masters):
+            axes[2].plot(diff, "-" if r["mode"] else "--", **kwargs, label=r["mode"] or f"{r['variant']} (fp32 masters)")
+    top.set(ylabel="training loss (nats/byte)", title="training loss" + (f", moving average of {window} steps" if window > 1 else ""))
+    recipes.set(ylabel="loss − fp32 run's", title="difference to the fp32 run: precision recipes")
+    if modes:
+        axes[2].set(ylabel="loss − fp32 run's", title="difference to the fp32 run: memory modes (DESIGN §9)")
+        axes[2].legend(fontsize=7, ncol=2)
+    for ax in axes:
+        ax.axhline(0.0, color="black", linewidth=0.8) if ax is not top else None
+        ax.grid(alpha=0.3)
+    axes[-1].set(xlabel="optimizer step")
+    top.legend(fontsize=6.5, ncol=2 if modes else 1)
+    fig.suptitle(f"Byte-level GPT on stdlib source ({env.get('model', '')})\n{env['hardware']}", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out, "loss_curves.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     parser, args = parse_args(argv, prog)
     device = cli.pick_device(parser, args.device)
@@ -364,7 +421,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ampfused.bench.be
                f"{sum(p.numel() for p in GPT(cfg).parameters()) / 1e6:.2f}M params",
                batch=f"{preset['accum']} x {micro} x {cfg.context} bytes", steps=str(preset["steps"]),
                amp_dtype=lowp, corpus=f"{len(data) / 1e6:.1f} MB of stdlib .py",
-               command=" ".join([prog.replace(".benchmarks.bench_train", " bench train"), *argv]))
+               command=" ".join([prog, *argv]))
     print("bench_train: " + "; ".join(f"{k}: {v}" for k, v in env.items()))
 
     variants = ["fp32", "torch-amp", "ampfused-fp32-params", f"torch-{lowp}-params", f"ampfused-{lowp}-params"]

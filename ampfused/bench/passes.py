@@ -1,0 +1,168 @@
+"""The ``passes`` sweep of ``python -m ampfused bench``: every pass of the compiled backend alone
+(``torch.ops.ampfused.*``) and torch's own passes (the fused AdamW step, ``_foreach_norm`` and
+``_foreach_mul_`` of ``clip_grad_norm_``, a plain read ``sum``), timed interleaved with the roofline
+stream ``a += b`` over the same number of fp32 elements (``measure.interleaved``). Each gets its
+modeled bytes per element, GB/s and the fraction of the roofline's GB/s. A read-only pass (stats,
+norm, sum) moves no write-back; on a CPU core its GB/s is capped by the misses one core keeps in
+flight, below the ``a += b`` stream's (the ``sum`` row shows that cap for stock torch).
+
+Writes ``passes.csv`` / ``passes.md``; ``benchmarks/streaming.py`` (a checkout's study of whole steps
+at large sizes) shares these rows and tables.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+
+import torch
+
+from . import measure
+from .configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
+from .environment import Load
+
+COLUMNS = ["date", "hardware", "torch", "ampfused", "clock", "section", "threads", "numel", "tensors", "name", "bytes_per_elem",
+           "median_ms", "p20_ms", "p80_ms", "samples", "unstable", "gbps", "roofline_gbps", "roofline_frac",
+           "baseline", "speedup_vs_baseline", "loadavg_before", "loadavg_after", "other_cores"]
+
+
+class PassBench:
+    """Tensors and timed functions of every pass over ``sizes`` fp32 elements (shared where a pass only
+    reads them or where mutating them keeps every value finite)."""
+
+    def __init__(self, sizes: list[int], device: torch.device, backend_name: str = "cpu"):
+        from ampfused import _backends
+        from ampfused._contract import Hyper
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.backend = _backends.resolve(backend_name, device)[0]
+        randn = lambda n, std: torch.randn(n, generator=gen, device=device).mul_(std)  # noqa: E731
+        self.params = [randn(n, 0.02) for n in sizes]
+        self.grads = [randn(n, GRAD_STD) for n in sizes]
+        self.exp_avgs = [torch.zeros(n, device=device) for n in sizes]
+        self.exp_avg_sqs = [torch.zeros(n, device=device) for n in sizes]
+        self.steps = [torch.zeros((), device=device) for _ in sizes]
+        self.low = [p.to(torch.bfloat16) for p in self.params]  # bf16 params (their masters: self.params)
+        self.low_grads = [g.to(torch.bfloat16) for g in self.grads]
+        self.group_ids = [0] * len(sizes)  # one param group
+        self.groups = [Hyper(LR, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, False, False)]
+        self.none = [None] * len(sizes)
+        self.stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=device)  # not skipped, factor 1
+        self.grad_scale = torch.ones((), device=device)
+        self.norm_stats = torch.empty(4, device=device)
+        self.torch_params = [torch.nn.Parameter(p.clone()) for p in self.params]
+        for p, g in zip(self.torch_params, self.grads):
+            p.grad = g  # read only by the fused step
+        self.torch_opt = torch.optim.AdamW(self.torch_params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                           fused=True)
+        self.torch_opt.step()  # its lazy state
+
+    def update(self, params, masters, grad_scale=None) -> None:
+        self.backend.adamw_update_(params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.none, self.steps, masters,
+                                   self.group_ids, self.groups, self.stats, grad_scale=grad_scale)
+
+    def functions(self) -> dict[str, tuple[float, object]]:
+        """name -> (modeled bytes per element, fn). Every update leaves the grads as they were (a unit
+        scale writes them back unchanged)."""
+        b = self
+        return {
+            "stats: read g (fp32)": (4, lambda: b.backend.grad_stats_(b.grads, None, None, MAX_GRAD_NORM, b.norm_stats)),
+            "update: fp32 param, g, m, v in place": (28, lambda: b.update(b.params, b.none)),
+            "update + unscaled g written back": (32, lambda: b.update(b.params, b.none, b.grad_scale)),
+            "update: bf16 param, fp32 master": (30, lambda: b.update(b.low, b.params)),
+            "accumulate: fp32 += bf16": (10, lambda: [b.backend.accumulate_(g, lg) for g, lg in zip(b.grads, b.low_grads)]),
+            "torch fused AdamW step (fp32)": (28, b.torch_opt.step),
+            "torch _foreach_norm (clip's read)": (4, lambda: torch._foreach_norm(b.grads)),
+            "torch _foreach_mul_ (clip's scale)": (8, lambda: torch._foreach_mul_(b.grads, 1.0)),
+            "torch sum (a plain read)": (4, lambda: [g.sum() for g in b.grads]),
+        }
+
+
+def pass_rows(numel: int, tensors: int, device: torch.device, budget: measure.Budget, env: dict,
+              backend_name: str = "cpu", clock=time.perf_counter, on_round=None) -> list[dict]:
+    """The passes at the current thread count: one row per pass (and the roofline's own)."""
+    sizes = [numel // tensors] * tensors
+    sizes[0] += numel - sum(sizes)
+    bench = PassBench(sizes, device, backend_name)
+    roofline = measure.DeviceCopy(12 * numel, device)  # a += b over numel fp32 elements
+    fns = {name: fn for name, (_, fn) in bench.functions().items()}
+    fns["roofline: a += b (fp32)"] = roofline.fn
+    load = Load().start()
+    timings = measure.interleaved(fns, device, budget, clock=clock, on_round=on_round)
+    other = load.stop()
+    roof = timings["roofline: a += b (fp32)"]
+    roof_gbps = roofline.gbps(roof) if not roof.error else math.nan
+    rows = []
+    per_elem = {name: nbytes for name, (nbytes, _) in bench.functions().items()}
+    per_elem["roofline: a += b (fp32)"] = 12
+    for name, t in timings.items():
+        row = make_row(env, "passes", numel, tensors, name, per_elem[name], t, load, other)
+        row.update(roofline_gbps=roof_gbps, roofline_frac=row["gbps"] / roof_gbps if row["gbps"] != "" else "")
+        rows.append(row)
+    return rows
+
+
+def make_row(env, section, numel, tensors, name, nbytes, t: measure.Timing, load: Load, other: float) -> dict:
+    row = {c: "" for c in COLUMNS}
+    row.update({k: v for k, v in env.items() if k in row})
+    row.update(section=section, numel=numel, tensors=tensors, name=name, bytes_per_elem=nbytes,
+               loadavg_before=load.loadavg_before, loadavg_after=load.loadavg_after, other_cores=other)
+    if t.error:
+        row.update(unstable=f"error: {t.error}")
+        return row
+    row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, samples=t.samples, unstable=t.unstable,
+               gbps=nbytes * numel / (t.median_ms * 1e-3) / 1e9)
+    return row
+
+
+# ---------------------------------------------------------------- output
+
+
+def fmt(value, spec: str) -> str:
+    return "–" if value == "" or value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def pass_table(rows: list[dict]) -> str:
+    lines = ["| threads | pass | B/elem | ms median (p20–p80) | GB/s | % of a += b | timing | load avg | other cores |",
+             "|---:|---|---:|---|---:|---:|---|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['name']} | {r['bytes_per_elem']} | {ms_cell(r)} | {fmt(r['gbps'], '.1f')} | "
+                     f"{fmt(r['roofline_frac'] * 100 if r['roofline_frac'] != '' else '', '.0f')} | "
+                     f"{r['unstable'] or 'stable'} | {r['loadavg_before']} | {fmt(r['other_cores'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def ms_cell(r) -> str:
+    if r["median_ms"] == "":
+        return "–"
+    return f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}–{r['p80_ms']:.1f})"
+
+
+def write(rows: list[dict], out: str, title: str, env: dict, stem: str, step_table=None) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{stem}.csv"), os.path.join(out, f"{stem}.md")]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    with open(paths[1], "w") as f:
+        f.write(markdown(rows, title, env, step_table) + "\n")
+    return paths
+
+
+def markdown(rows: list[dict], title: str, env: dict, step_table=None) -> str:
+    parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
+             f"- versions: torch {env['torch']}, ampfused {env['ampfused']}",
+             f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, benchmarks/streaming.py "
+             "[note: CPU-time clock])", ""]
+    passes = [r for r in rows if r["section"] == "passes"]
+    steps = [r for r in rows if r["section"] == "steps"]
+    if passes:
+        parts += [f"## Passes at {human(passes[0]['numel'])} fp32 elements in {passes[0]['tensors']} tensors", "",
+                  pass_table(passes), ""]
+    if steps and step_table is not None:
+        parts += [f"## Steps at {human(steps[0]['numel'])} params in {steps[0]['tensors']} tensors, fresh gradients "
+                  "each step", "", step_table(steps), ""]
+    return "\n".join(parts)
