@@ -73,7 +73,7 @@ SIGNED_ONE = 120
 SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
 SQRT_ONE = 240
 
-# The stochastic-rounding hashes' constants (csrc/compact_random.h, kernels/_compact_state.py).
+# The stochastic-rounding hashes' constants (csrc/compact_random.h, ampfused/kernels/_compact_state.py).
 SR_GOLDEN64 = 0x9E3779B97F4A7C15        # splitmix64's increment (and the reference's seed multiplier)
 SR_SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
 SR_SPLITMIX_MUL2 = 0x94D049BB133111EB

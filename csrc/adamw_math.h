@@ -139,7 +139,7 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
 // 1.5 ulp of a/c; one FMA correction brings it within 1 ulp, and then Markstein's theorem (y within
 // half an ulp of 1/c, q within 1 ulp of a/c, a - c*q exact in an FMA) makes the second correction
 // RN(a/c). It needs a - c*q not to underflow: here a = sqrt(v) >= 2^-74.5 or 0, c in (0, 1]. Zeros, inf
-// and NaN take a*y (+-0, inf, NaN). tests/test_passes.py checks every fp32 mantissa against `a / c`.
+// and NaN take a*y (+-0, inf, NaN). tests/contract/test_passes.py checks every fp32 mantissa against `a / c`.
 AMPFUSED_HD float div_by_constant(float a, float c, float y) {
   float q = a * y;
   q = __builtin_fmaf(__builtin_fmaf(-q, c, a), y, q);

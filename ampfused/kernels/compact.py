@@ -2,7 +2,7 @@
 
 ``ampfused/_compact.py`` is the specification and ``csrc/compact_math.h`` the C++ twin; each
 function here works element-wise on a block and is tested bitwise against the specification
-(``tests/test_compact_native.py``). Bit patterns travel as uint32 (16-bit values in the low half),
+(``tests/compact/test_compact_native.py``). Bit patterns travel as uint32 (16-bit values in the low half),
 codes as int32; callers load and store them in their storage dtypes.
 
 [note: integer rounding] Rounding to an integer is ``(a + 1.5 * 2^23) - 1.5 * 2^23``, which is

@@ -1,6 +1,6 @@
 // The x86 target attribute strings of each ISA variant: one spelling for the hot loops
 // (kernels_avx2.cpp, kernels_avx512.cpp) and the test-only checks compiled for the same targets
-// (csrc/testing/division_*.cpp).
+// (csrc/testing/division_avx2.cpp, division_avx512.cpp).
 #pragma once
 
 #define AMPFUSED_AVX2_GCC_TARGET "avx2,fma,f16c"

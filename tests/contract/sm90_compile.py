@@ -424,7 +424,7 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
 def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
     if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
-        max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
+        max_regs = 80  # the compact variants' cap (ampfused/kernels/_runtime.py, [note: compact registers])
     if name == "update_kernel" and "compact" in config:
         max_regs = 128  # a lane's whole group ([note: compact registers] in csrc/cuda/compact_update.cuh)
     out = []
