@@ -1,4 +1,4 @@
-"""`python -m ampfused info|bench|bench train`: the backends found, and the benchmarks."""
+"""`python -m ampfused info|bench|bench train|bench busy`: the backends found, and the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,9 @@ COMMANDS = """commands:
   bench         benchmark the optimizer step against the stock torch.amp path
                 (python -m ampfused bench --help for its options)
   bench train   end-to-end training benchmark with convergence parity
-                (python -m ampfused bench train --help for its options)"""
+                (python -m ampfused bench train --help for its options)
+  bench busy    the cpu backend's step against torch fused while every core is kept busy
+                (python -m ampfused bench busy --help for its options)"""
 
 
 def info() -> int:
@@ -38,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and GradScaler for PyTorch", epilog=COMMANDS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,bench train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,bench,bench train,bench busy}")
     sub.add_parser("info", help="list the backends found and why any is missing")
-    # bench parses its own arguments (and `bench train` its own), --help included
+    # bench parses its own arguments (and `bench train`, `bench busy` their own), --help included
     sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
     return parser
 
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"info takes no arguments: {' '.join(rest)}")
         return info()
+    if rest[:1] == ["busy"]:
+        from .bench import busy
+
+        return busy.main(rest[1:])
     from .bench import bench
 
     return bench.main(rest)
