@@ -33,11 +33,18 @@ SHAPES = {
     "4x3.1M": (3_100_000,) * 4,
 }
 MODES = ("plain", "clip")
+# [note: busy budgets] A tiny step is a fraction of a millisecond while the spinners take the core
+# away for milliseconds at a time: its rows take many short interleaved bursts, so both sides see
+# the same preemptions. The large rows' steps are long (torch's reach seconds where it stalls):
+# few rounds, and a cap per row, so the sweep stays within minutes.
 BUDGETS = {
-    # a row's cap bounds the rows where torch stalls (seconds a step): the run stays within minutes
-    "default": measure.Budget(0.1, 0.3, min_samples=5, rounds=5, cap_s=8.0),
+    "small": measure.Budget(0.3, 0.6, min_samples=20, rounds=40, cap_s=8.0),
+    "large": measure.Budget(0.1, 0.3, min_samples=5, rounds=5, cap_s=6.0),
     "quick": measure.Budget(0.005, 0.02, min_samples=3, rounds=3, cap_s=2.0),
 }
+SMALL = 1 << 20  # elements: a row below this takes the "small" budget
+
+
 SPIN_LIFETIME_S = 300.0  # a spinner ends by itself after this, should the benchmark be killed outright
 
 
@@ -139,22 +146,31 @@ def run_row(shape: str, mode: str, threads: int, budget: measure.Budget, gate_st
     timings = measure.interleaved({kind: side.step for kind, side in sides.items()}, torch.device("cpu"), budget,
                                   host=True)
     for kind, t in timings.items():
-        row[f"{kind}_ms"] = t.median_ms
+        row[f"{kind}_ms"], row[f"{kind}_p20"], row[f"{kind}_p80"] = t.median_ms, t.p20_ms, t.p80_ms
         row[f"{kind}_note"] = t.error or t.unstable
     row["ratio"] = row["ampfused_ms"] / row["torch_ms"]
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| tensors | elements | mode | threads | torch fused ms | ampfused cpu ms | ours / torch | note |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+    """Markdown: median ms per step (p20-p80), ours over torch's median; * marks an unstable timing."""
+    lines = ["| tensors | elements | mode | threads | torch fused ms (p20-p80) | ampfused cpu ms (p20-p80) | ours / torch |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    notes = []
     for r in rows:
+        head = f"| {r['shape']} | {r['numel']:,} | {r['mode']} | {r['threads']} |"
         if r["gate"] != "passed":
-            lines.append(f"| {r['shape']} | {r['numel']:,} | {r['mode']} | {r['threads']} | | | | gate FAILED: {r['gate']} |")
+            lines.append(f"{head} gate FAILED: {r['gate']} | | |")
             continue
-        note = "; ".join(f"{k}: {r[k + '_note']}" for k in ("torch", "ampfused") if r[k + "_note"])
-        lines.append(f"| {r['shape']} | {r['numel']:,} | {r['mode']} | {r['threads']} | {r['torch_ms']:.3f} | "
-                     f"{r['ampfused_ms']:.3f} | {r['ratio']:.2f} | {note} |")
+        cells = []
+        for kind in ("torch", "ampfused"):
+            mark = "*" if r[kind + "_note"] else ""
+            cells.append(f"{r[kind + '_ms']:.3f}{mark} ({r[kind + '_p20']:.3f}-{r[kind + '_p80']:.3f})")
+            if r[kind + "_note"]:
+                notes.append(f"{r['shape']} {r['mode']} {r['threads']}t {kind}: {r[kind + '_note']}")
+        lines.append(f"{head} {cells[0]} | {cells[1]} | {r['ratio']:.2f} |")
+    if notes:
+        lines += ["", "`*` unstable: " + "; ".join(notes)]
     return "\n".join(lines)
 
 
@@ -184,7 +200,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m ampfused bench bu
     thread_counts = tuple(dict.fromkeys(args.threads or (1, default_threads)))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     count = cores if args.spinners is None else max(args.spinners, 0)
-    budget = BUDGETS["quick" if args.quick else "default"]
     cases = [(s, m, t) for t in thread_counts for s in args.shapes for m in args.modes]
     print(f"{prog}: {cpu_model()}, {cpu_isa()}, torch {torch.__version__} (default {default_threads} threads)")
     print(f"{count} spinning process(es) on {cores} core(s); load average before: {loadavg()}")
@@ -195,7 +210,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m ampfused bench bu
         with spinners(count):
             for shape, mode, threads in cases:
                 progress.describe(f"{shape} {mode} {threads} thread(s)")
-                rows.append(run_row(shape, mode, threads, budget))
+                size = "quick" if args.quick else "small" if sum(SHAPES[shape]) < SMALL else "large"
+                rows.append(run_row(shape, mode, threads, BUDGETS[size]))
                 progress.update()
     finally:
         progress.close()
