@@ -4,6 +4,18 @@
 // [note: deterministic stats] The stats pass cuts the gradients into fixed ranges, sums each
 // range into its own double slot and adds the slots in order, so the result does not depend on the
 // number of threads.
+//
+// [note: grain] A pass opens at most one parallel region, and none where its work is small: below
+// kGrain elements in all it runs on the calling thread, above it on min(threads, ceil(elements /
+// kGrain)) tasks, each a run of whole ranges of about equal element count (run_ranges). A region is
+// not free: on an idle machine waking torch's OpenMP team and meeting at its barrier costs
+// microseconds, but where other processes keep the cores busy a thread of the team that is not
+// running holds the barrier until the scheduler runs it again, a tick of milliseconds, whatever the
+// work. kGrain is ATen's own internal GRAIN_SIZE (32768 elements, below which its elementwise
+// kernels run inline), chosen by the measurement in docs/results/cpu-busy.md: a step at
+// that size is about 30 us of work on one thread, where a second thread saves at most half of it.
+// ATen's region always takes its whole team (ParallelOpenMP.h: no num_threads clause), so tasks
+// beyond the work only bound how many threads do any of it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -13,6 +25,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../adamw_math.h"
 #include "../compact_random.h"
@@ -25,6 +38,34 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kRange = 1 << 16;  // elements per work item: big enough to amortize, small enough to balance
+constexpr int64_t kGrain = 1 << 15;  // [note: grain]
+
+// body(first, last) for runs of the items [0, count) (elements(i) elements each, total in all)
+// that together cover every item once, in one parallel region or inline ([note: grain]). What
+// an item computes does not depend on the run it falls in.
+template <class Elements, class Body>
+void run_ranges(int64_t count, int64_t total, const Elements& elements, const Body& body) {
+  if (count == 0) return;
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (total + kGrain - 1) / kGrain);
+  if (tasks <= 1 || at::in_parallel_region()) {
+    body(int64_t{0}, count);
+    return;
+  }
+  // cut[t] is the first item of task t: the first item that starts at or past t/tasks of the work
+  std::vector<int64_t> cut(tasks + 1, count);
+  cut[0] = 0;
+  int64_t t = 1;
+  int64_t before = 0;  // elements of the items before item i
+  for (int64_t i = 0; i < count && t < tasks; ++i) {
+    while (t < tasks && before * tasks >= total * t) cut[t++] = i;
+    before += elements(i);
+  }
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      if (cut[task] < cut[task + 1]) body(cut[task], cut[task + 1]);
+    }
+  });
+}
 
 // [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
 // (default|avx2|avx512) as ATen's own kernels are; on AMD family 19h (Zen 3, Zen 4), whose divider
@@ -85,7 +126,8 @@ void accumulate_cpu(const at::Tensor& main_grad, const at::Tensor& grad) {
   float* dst = main_grad.data_ptr<float>();
   const char* src = static_cast<const char*>(grad.data_ptr());
   const IsaKernels& k = kernels();
-  at::parallel_for(0, main_grad.numel(), kRange, [&](int64_t begin, int64_t end) {
+  // one tensor per call (the backward hook's micro-batches): ATen's own split is [note: grain]'s
+  at::parallel_for(0, main_grad.numel(), kGrain, [&](int64_t begin, int64_t end) {
     k.accumulate(dst + begin, src + begin * element_size(dtype), dtype, end - begin);
   });
 }
@@ -103,7 +145,9 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
     int64_t n;
   };
   std::vector<Range> ranges;
+  int64_t elements = 0;
   for (const at::Tensor& g : grads) {
+    elements += g.numel();
     const int32_t dtype = dtype_code(g, "grads");
     const char* base = static_cast<const char*>(g.data_ptr());
     for (int64_t b = 0; b < g.numel(); b += kRange) {
@@ -112,9 +156,11 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
   }
   std::vector<SumSq> partial(ranges.size(), SumSq{0.0, false});
   const IsaKernels& k = kernels();
-  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
-  });
+  run_ranges(
+      static_cast<int64_t>(ranges.size()), elements, [&](int64_t r) { return ranges[r].n; },
+      [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) partial[r] = k.sumsq(ranges[r].data, ranges[r].dtype, ranges[r].n, inv);
+      });
   double total = 0.0;
   bool bad = false;
   for (const SumSq& x : partial) {
@@ -138,8 +184,10 @@ void adamw_update_cpu(const UpdateCall& call) {
   }
   std::vector<AdamWScalars> scalars(call.tensors.size());
   std::vector<UpdateRange> ranges;
+  int64_t elements = 0;
   for (size_t i = 0; i < call.tensors.size(); ++i) {
     const UpdateTensor& t = call.tensors[i];
+    elements += t.numel;
     const UpdateGroup& g = call.groups[t.group];
     scalars[i] = adamw_scalars(lr[t.group], g.beta1, g.beta2, g.eps, g.weight_decay, *t.step + 1.0f);
     // -(g * f) == g * (-f) exactly: maximize folds into the factor
@@ -155,9 +203,11 @@ void adamw_update_cpu(const UpdateCall& call) {
     }
   }
   const IsaKernels& k = kernels();
-  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) is_compact(ranges[r]) ? k.compact_update(ranges[r]) : k.update(ranges[r]);
-  });
+  run_ranges(
+      static_cast<int64_t>(ranges.size()), elements, [&](int64_t r) { return ranges[r].end - ranges[r].begin; },
+      [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) is_compact(ranges[r]) ? k.compact_update(ranges[r]) : k.update(ranges[r]);
+      });
   for (const UpdateTensor& t : call.tensors) *t.step = *t.step + 1.0f;
 }
 
