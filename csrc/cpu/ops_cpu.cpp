@@ -12,8 +12,8 @@
 // microseconds, but where other processes keep the cores busy a thread of the team that is not
 // running holds the barrier until the scheduler runs it again, a tick of milliseconds, whatever the
 // work. kGrain is ATen's own internal GRAIN_SIZE (32768 elements, below which its elementwise
-// kernels run inline), chosen by the measurement in docs/results/cpu-busy.md: a step at
-// that size is about 30 us of work on one thread, where a second thread saves at most half of it.
+// kernels run inline): at that size a step is ~0.1 ms of work on one thread and a second thread
+// saved nothing measurable (docs/results/cpu-busy.md, which also shows what a region costs above it).
 // ATen's region always takes its whole team (ParallelOpenMP.h: no num_threads clause), so tasks
 // beyond the work only bound how many threads do any of it.
 #include <ATen/Parallel.h>
