@@ -55,18 +55,12 @@ def _probe_triton():
 def _probe_compiled(device_type: str):
     # ampfused._compiled wraps the extension ampfused._C; get_backend("cpu"|"cuda") returns
     # (backend object with the passes, "") or (None, reason).
-    if device_type == "cuda" and torch.version.cuda is None:
-        # no rebuild of ampfused can help here: its CUDA kernels compile only against a CUDA torch
-        return None, CPU_TORCH_HINT.format(version=torch.__version__)
     try:
         module = importlib.import_module("ampfused._compiled")
     except ImportError as exc:
         return None, f"the compiled extension is not available: {exc}"
     return module.get_backend(device_type)
 
-
-CPU_TORCH_HINT = ("torch {version} is not a CUDA build: the cuda backend needs a CUDA build of torch "
-                  "(https://pytorch.org/get-started/locally/); install one, then reinstall ampfused")
 
 _PROBES = {
     "reference": _probe_reference,

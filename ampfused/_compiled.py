@@ -110,14 +110,17 @@ def get_backend(device_type: str):
     """(backend object, "") for "cpu" or "cuda", or (None, why it is unavailable)."""
     if device_type not in ("cpu", "cuda"):
         return None, f"ampfused._C has no {device_type} kernels"
+    if device_type == "cuda" and torch.version.cuda is None:
+        # no rebuild of ampfused can help here: its CUDA kernels compile only against a CUDA torch
+        return None, (f"torch {torch.__version__} is not a CUDA build: the cuda backend needs a CUDA build of "
+                      "torch (https://pytorch.org/get-started/locally/); install one, then reinstall ampfused")
     module, reason = load()
     if module is None:
         return None, reason
     key = device_type.upper()
     if not all(has_kernel(op, key) for op in OPS):
         if device_type == "cuda":
-            why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else
-                   "no matching nvcc was found at build time, or AMPFUSED_BUILD_CUDA=0")
+            why = "no matching nvcc was found at build time, or AMPFUSED_BUILD_CUDA=0"
             return None, (f"ampfused._C was built without CUDA kernels ({why}); rebuild with "
                           "`AMPFUSED_BUILD_CUDA=1 pip install --no-build-isolation .` to see why")
         return None, f"ampfused._C has no CPU kernels (broken build): {BUILD_HINT}"
