@@ -8,10 +8,11 @@ import os
 
 from setuptools import find_packages, setup
 
-# The source tree is the import tree: ampfused/kernels (Triton) and ampfused/bench (the main job,
-# `python -m ampfused bench`) are subpackages; benchmarks/ holds one-off studies and GPU scripts
-# that run from a checkout and are not installed.
-PACKAGES = find_packages(include=["ampfused", "ampfused.*"])
+# ampfused/ is the library, with ampfused/bench (the main job, `python -m ampfused bench`); the Triton
+# kernels live in the top-level kernels/ (DESIGN §5) and install as ampfused.kernels. benchmarks/
+# holds studies and GPU scripts that run from a checkout and are not installed.
+PACKAGES = find_packages(include=["ampfused", "ampfused.*"]) + ["ampfused.kernels"]
+PACKAGE_DIR = {"ampfused.kernels": "kernels"}
 
 
 def extension_kwargs():
@@ -25,4 +26,4 @@ def extension_kwargs():
     return module.extension_kwargs()
 
 
-setup(packages=PACKAGES, **extension_kwargs())
+setup(packages=PACKAGES, package_dir=PACKAGE_DIR, **extension_kwargs())

@@ -1,6 +1,6 @@
 r"""Compact optimizer state: the executable specification of every encoding (DESIGN §9).
 
-Pure PyTorch, element-wise and vectorized; ``csrc/compact_math.h`` and ``ampfused/kernels/compact.py`` are
+Pure PyTorch, element-wise and vectorized; ``csrc/compact_math.h`` and ``kernels/compact.py`` are
 the same functions for one element and are tested bitwise against this file. Integer work is done
 on the fp32 bit pattern ``u`` (as int64, so nothing overflows); ``RNE`` is round to nearest even.
 

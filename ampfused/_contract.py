@@ -2,7 +2,7 @@
 
 A leaf module (torch, typing and the standard library only): everything in ``ampfused`` may import
 it, it imports nothing of ``ampfused``. It is the one definition of every fact the backends share:
-``csrc/contract_generated.h`` (C++ and CUDA) and ``ampfused/kernels/_contract_generated.py``
+``csrc/contract_generated.h`` (C++ and CUDA) and ``kernels/_contract_generated.py``
 (Triton, which imports nothing of the package) are generated from the section below by
 ``python csrc/generate_contract.py`` and committed; tests/contract/test_contract_generated.py fails
 when they are stale or when another source file spells one of these facts itself.
@@ -73,7 +73,7 @@ SIGNED_ONE = 120
 SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
 SQRT_ONE = 240
 
-# The stochastic-rounding hashes' constants (csrc/compact_random.h, ampfused/kernels/_compact_state.py).
+# The stochastic-rounding hashes' constants (csrc/compact_random.h, kernels/_compact_state.py).
 SR_GOLDEN64 = 0x9E3779B97F4A7C15        # splitmix64's increment (and the reference's seed multiplier)
 SR_SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
 SR_SPLITMIX_MUL2 = 0x94D049BB133111EB

@@ -1,4 +1,4 @@
-"""csrc/compact_math.h and ampfused/kernels/compact.py against the specification ampfused/_compact.py, bitwise.
+"""csrc/compact_math.h and kernels/compact.py against the specification ampfused/_compact.py, bitwise.
 
 The C++ header is compiled into a tiny C ABI shim (tests/compact/compact_shim.cpp, no torch, not the
 production extension) and called through ctypes; the Triton functions run in small test kernels
@@ -152,7 +152,7 @@ def test_cpp_int8_moments(shim, kind):
     same_bits(torch.from_numpy(back), decoded, f"{kind} decoded")
 
 
-# ------------------------------------------------------------------ Triton (ampfused/kernels/compact.py)
+# ------------------------------------------------------------------ Triton (kernels/compact.py)
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 import triton.language as tl  # noqa: E402

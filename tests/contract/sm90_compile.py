@@ -424,7 +424,7 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
 def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
     if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
-        max_regs = 80  # the compact variants' cap (ampfused/kernels/_runtime.py, [note: compact registers])
+        max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
     if name == "update_kernel" and "compact" in config:
         max_regs = 128  # a lane's whole group ([note: compact registers] in csrc/cuda/compact_update.cuh)
     out = []
@@ -508,7 +508,7 @@ def source_tree() -> str:
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "ampfused", "csrc", "tests/contract"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "ampfused", "kernels", "csrc", "tests/contract"],
                                capture_output=True, text=True, check=True).stdout.strip()
         return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -525,7 +525,7 @@ def main() -> int:
         return 2
     install_fake_driver()
     tree = source_tree()
-    print(f"source tree: {ROOT} ({tree}): ampfused/kernels for Triton, csrc/ for nvcc", flush=True)
+    print(f"source tree: {ROOT} ({tree}): kernels for Triton, csrc/ for nvcc", flush=True)
     probes = {}
     with tempfile.TemporaryDirectory() as tmp:
         rows, problems = compile_triton(Path(tmp))
@@ -547,7 +547,7 @@ def main() -> int:
             "# sm_90 offline compile of every kernel\n\n"
             f"`python tests/contract/sm90_compile.py --out {args.out}` (Triton {triton.__version__}, its ptxas; "
             f"{nvcc_release()} for passes.cu), no GPU: the configurations the code launches, compiled for `GPUTarget(\"cuda\", 90, 32)`. "
-            f"One source tree for both compilers: the checkout ({tree}), its ampfused/kernels for Triton and its csrc/ for nvcc. "
+            f"One source tree for both compilers: the checkout ({tree}), its kernels for Triton and its csrc/ for nvcc. "
             "Occupancy is computed from registers, threads and shared memory for an H100/H200 SM "
             "(65536 registers, 64 warps, 32 blocks, 228 KB). Budgets and rules: the docstring of the script.\n\n"
             + text + "\n\n" + ("All rules pass.\n" if not problems else "\n".join(f"- FAIL: {p}" for p in problems) + "\n"))

@@ -1,6 +1,6 @@
 """One source for the facts the backends share: ``ampfused/_contract.py``.
 
-``csrc/contract_generated.h`` (C++/CUDA) and ``ampfused/kernels/_contract_generated.py`` (Triton) are
+``csrc/contract_generated.h`` (C++/CUDA) and ``kernels/_contract_generated.py`` (Triton) are
 generated from it by ``csrc/generate_contract.py`` and committed. This regenerates them and fails
 when a committed file is stale, and fails when any other source file defines or spells one of the
 facts itself. Read as text: no build, no triton import.
@@ -15,11 +15,11 @@ from ampfused import _contract
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "csrc" / "generate_contract.py"
-SOURCE_DIRS = ("ampfused", "csrc", "benchmarks", "tests")
+SOURCE_DIRS = ("ampfused", "kernels", "csrc", "benchmarks", "tests")
 SUFFIXES = {".py", ".h", ".cpp", ".cu", ".cuh"}
 # the definition, its generator and outputs, and this test (it spells the patterns)
 EXEMPT = {ROOT / "ampfused" / "_contract.py", GENERATOR, ROOT / "csrc" / "contract_generated.h",
-          ROOT / "ampfused" / "kernels" / "_contract_generated.py", Path(__file__).resolve()}
+          ROOT / "kernels" / "_contract_generated.py", Path(__file__).resolve()}
 
 
 def generator():
@@ -125,7 +125,7 @@ def source_files():
 def test_the_scan_sees_the_sources():
     files = {p.relative_to(ROOT).as_posix() for p in source_files()}
     assert {"csrc/contract.h", "csrc/cuda/passes.cu", "csrc/cuda/compact_update.cuh", "ampfused/_args.py",
-            "ampfused/kernels/adamw.py"} <= files
+            "kernels/adamw.py"} <= files
 
 
 def test_rules_catch_what_they_should():

@@ -194,7 +194,7 @@ def test_kernels_compile_for_a_gpu_without_one():
     register count (<= UPDATE_MAXNREG at 4 warps: see [note: update block]) and vector accesses are asserted."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # cwd outside the checkout: `python -c` would import the source tree, which has no ampfused.kernels
+    # cwd outside the checkout: `python -c` imports the installed package, not the source tree
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=600, cwd="/")
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("no ptxas in this Triton install")
