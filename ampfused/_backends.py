@@ -94,7 +94,7 @@ def _device_reason(module: Backend, device: torch.device) -> str:
 def _auto_order(device: torch.device) -> tuple[str, ...]:
     if device.type == "cuda":
         return ("cuda", "triton", "reference")
-    # [note: triton on CPU] the Triton interpreter is for checking kernels, not for speed: only
+    # the Triton interpreter is for checking kernels, not for speed: only
     # an explicit request (backend="triton" or AMPFUSED_BACKEND=triton) uses it on CPU tensors.
     return ("cpu", "reference")
 

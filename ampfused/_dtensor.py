@@ -1,21 +1,10 @@
 """DTensor (FSDP2) params: the passes run on local shards, the stats are summed over the mesh.
 
-[note: DTensor params] ``fully_shard`` replaces every param by a DTensor whose local tensor is this
-rank's shard (``Shard(0)``, uneven and possibly empty). The optimizer keeps its flat buffers in
-local shapes, hands the backends the local tensors (one launch per pass over all local shards, as
-for plain params), and exposes state as DTensors with the param's mesh and placements over those
-same local views (as ``torch.optim.AdamW``'s ``zeros_like(p)`` would), which is what
-``torch.distributed.checkpoint`` needs to save, load and reshard them.
-
-[note: global stats] The clip norm and the skip decision need the sum of squares over every
-shard of every rank: :func:`localize` returns a ``reduce_stats`` callback that ``run_step`` calls
-between the stats pass and the finish. It all-reduces (SUM) one small fp32 tensor — the 0-d sum of
-squares, plus the scaler's inf flag when there is one — over the process group of every sharded
-mesh dimension (one collective for FSDP2 and HSDP), with no host synchronization. An inf/NaN in
-any shard makes every rank's sum non-finite, so every rank takes the same skip decision.
-Replicated mesh dimensions (HSDP's replicas) are not summed: their grads are already identical.
-
-Nothing here imports ``torch.distributed.tensor`` unless a param is a DTensor.
+:func:`localize` gives the backends the local tensors and a ``reduce_stats`` callback that
+all-reduces the stats between the stats pass and the finish; state is exposed as DTensors over the
+local flat views, as DCP needs. What is summed over which mesh dimension, and why:
+docs/distributed.md ("FSDP2"). Nothing here imports ``torch.distributed.tensor`` unless a param is
+a DTensor.
 """
 from __future__ import annotations
 

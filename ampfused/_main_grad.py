@@ -1,25 +1,11 @@
 """fp32 gradients for fp16/bf16 params: ``p.grad`` is a view of optimizer-owned flat fp32 storage.
 
-[note: fp32 p.grad] ``Tensor.grad_dtype`` (torch >= 2.10) says which dtype a leaf's ``.grad`` may
-have; ``None`` lets it hold any. With ``p.grad_dtype = None`` and ``p.grad`` set to an fp32 view
-``p.main_grad`` of our flat storage, autograd's own AccumulateGrad does every later micro-batch as
-``p.grad += g`` in place: fp32 math, no Python, and on a GPU one kernel that reads the fp16/bf16
-``g`` once and reads and writes fp32 (10 B/param). Only the first micro-batch after a clear (the
-user's ``zero_grad()``, ``model.zero_grad()``, ``p.grad = None``) differs: autograd then hands the
-fresh low-precision gradient over as ``p.grad`` and the post-accumulate hook writes it into
-``main_grad`` (a cast copy: 6 B/param, no zeroing pass, no add to zeros) and points ``p.grad`` back
-at it. So after every backward ``p.grad`` is the fp32 gradient that everything reads -- the
-user's ``clip_grad_norm_``, ``torch.amp.GradScaler``, logging, hooks registered after ours -- and
-there is no state machine: what ``p.grad`` holds is the gradient, as for an fp32 model.
-
-(``p.grad_dtype = torch.float32`` would look simpler, but then AccumulateGrad casts ``g`` to fp32 in
-a separate kernel before adding: 18 B/param.)
-
-[note: CPU accumulation] On a CPU, torch's mixed-dtype ``p.grad += g`` is ~3.5x slower than our
-fused cast-and-add, so CPU params also get a C++ pre-hook on their AccumulateGrad node
-(``csrc/accumulate_hook.cpp``) that does micro-batches 2..N with ``ampfused::accumulate``: no
-Python per param either, and the same fp32 sum. We hold the node, or the next forward would build
-a new one without the hook.
+With ``p.grad_dtype = None`` and ``p.grad`` pointed at the fp32 view ``p.main_grad``, autograd's own
+AccumulateGrad adds later micro-batches in place; after a clear, the post-accumulate hook writes the
+fresh low-precision gradient into the view and points ``p.grad`` back at it. CPU params also get the
+C++ pre-hook of ``csrc/accumulate_hook.cpp``. Why this shape, and what it costs: docs/design.md §3.
+We hold each CPU param's AccumulateGrad node, or the next forward would build a new one without the
+hook.
 """
 from __future__ import annotations
 
@@ -57,7 +43,7 @@ class MainGrads:
 
     A param carries ``p.main_grad`` (its view); ``OWNERS`` maps it to (a weak reference to) the
     optimizer that owns it: a newer optimizer over the same params takes them over, and the hooks of
-    an older one then do nothing. [note: no weakref on params] the owner is not a param attribute:
+    an older one then do nothing. The owner is not a param attribute:
     ``torch.save(model)`` pickles param attributes, and a weak reference does not pickle.
 
     Public through ``FusedAmpAdamW.main_grads`` (for ``ampfused.distributed`` and the benchmarks):
@@ -162,7 +148,7 @@ class MainGrads:
         """Once per optimizer, at the first fp32 adoption in a multi-process run that ampfused does not
         reduce: hand the params a plain ``DistributedDataParallel`` reduces back to it. True when any was.
 
-        [note: plain DDP] DDP's buckets have the param dtype and reject an fp32 ``p.grad`` ("Expected
+        DDP's buckets have the param dtype and reject an fp32 ``p.grad`` ("Expected
         BFloat16, got Float"), and a comm hook only sees the bucket. So a param DDP's reducer owns runs with
         ``fp32_grad_accumulation`` off: its gradient stays in the param dtype, as DDP (and stock AdamW)
         expect -- accumulated by autograd, under ``no_sync()`` too, all-reduced in that dtype, a bucket view
@@ -212,7 +198,7 @@ def adopt(p: Tensor) -> None:
 
 
 def _adopt_hook(grads: MainGrads):
-    # [note: hook references] the hook holds the MainGrads, which holds its optimizer only weakly: the
+    # the hook holds the MainGrads, which holds its optimizer only weakly: the
     # optimizer can die, and its finalizer removes the hooks (and so the flat storage with them).
     def hook(p: Tensor) -> None:
         # the common path (micro-batch 2..N: autograd added into main_grad itself) is one identity test
@@ -226,7 +212,7 @@ def _adopt_hook(grads: MainGrads):
                 if not grads.ddp_reduced:
                     warnings.warn(UNREDUCED_MESSAGE, UserWarning, stacklevel=2)
             if p.main_grad.stride() != p.stride() and is_dense(p):
-                # [note: memory format] the model changed memory format (model.to(memory_format=...)) since the
+                # the model changed memory format (model.to(memory_format=...)) since the
                 # layout: the storage follows now, at the first gradient, not at step(), or autograd warns that
                 # grad and param break the layout contract on the next micro-batches. setup() adopts p.grad.
                 grads.relayout_if_strides_changed()

@@ -73,7 +73,7 @@ def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
         if not isinstance(values, dict):
             raise ValueError(f"state of parameter {key} is a {type(values).__name__}, not a dict of tensors: "
                              "not an AdamW state dict")
-        if not values:  # [note: empty entries] opt.state is a defaultdict: reading opt.state[p] of a param
+        if not values:  # opt.state is a defaultdict: reading opt.state[p] of a param
             continue    # that never stepped leaves {}, which torch saves and loads as "no state yet"
         p = param_of[key]
         _check_tensors(key, values)
@@ -145,7 +145,7 @@ def apply(opt: Optimizer, checked: Checked) -> None:
     room.layout()
     room.masters_pending = []
     for key, values in checked.saved_state.items():
-        if not values:  # see [note: empty entries]
+        if not values:  # a param that never stepped (the check above)
             continue
         p = checked.param_of[key]
         room.init(p, bool(checked.amsgrad_of[key]))

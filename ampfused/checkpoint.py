@@ -170,7 +170,7 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
                 raise ValueError(f"param for state {index} has shape {tuple(param.shape)}, its state {tuple(shape)}: params are not in state-dict order")
         kept = {k: v for k, v in entry.items() if not _compact.is_compact_key(k)}
         converted = {**kept, **_compact.decode_state(entry, param)}
-        # [note: no aliasing] a state dict holds the optimizer's live tensors (as torch's does), and torch's
+        # a state dict holds the optimizer's live tensors (as torch's does), and torch's
         # load_state_dict keeps fp32 tensors it loads onto fp32 params as they are: a converted dict
         # loaded in the same process would share (and step) ampfused's counters and moments. Copy them.
         originals = {id(v) for v in entry.values()}

@@ -1,29 +1,10 @@
 """DistributedDataParallel for fp16/bf16 params whose gradients FusedAmpAdamW accumulates in fp32.
 
 Above the optimizer: it wraps the model around an optimizer it is given (the stats reducers that
-sit below the optimizer, for ZeRO and FSDP2, are ``ampfused._reducers``).
-
-[note: why DDP cannot reduce them] DDP's reducer builds its buckets in the *param* dtype and checks
-every gradient against them (``Expected BFloat16, got Float``), before any comm hook runs; a comm
-hook sees only the bf16 bucket. So an fp32 gradient of a bf16 param can be all-reduced by DDP only
-through its private ``mixed_precision`` mode. :func:`data_parallel` instead builds a stock
-:class:`torch.nn.parallel.DistributedDataParallel` that leaves those params out (DDP's own
-``_set_params_and_buffers_to_ignore_for_model``, the mechanism torchrec and FSDP use) and
-all-reduces their fp32 flat storage (``p.main_grad``, which ``p.grad`` is) itself, as one
-collective at the end of every backward that DDP would sync (not under ``no_sync()``). Everything
-else — fp32 params, buffers, ``no_sync``, ``gradient_as_bucket_view``, ``static_graph`` — is DDP's.
-
-Wire format: the fp32 gradients travel in fp32, 4 B per param (plus at most 124 B of alignment
-padding per param), one all-reduce of the whole flat buffer per synced backward; a stock DDP over
-bf16 params with ``fp32_grad_accumulation=False`` sends 2 B per param in bf16. Measure with
-``python benchmarks/ddp_wire_bytes.py``.
-
-The reduction is ``SUM`` then ``/ world_size`` in fp32 (DDP's average). A param that got no gradient
-on any rank keeps ``grad None`` and is not stepped; one unused on some ranks gets the average of the
-others' gradients (zeros from the ranks that did not use it): DDP's ``find_unused_parameters=True``
-(see ``_Fp32Reducer._reduce``). Every rank whose synced backward reaches the wrapped module's output
-joins that all-reduce, also when none of its fp32-accumulated params got a gradient there (see
-``_Fp32Reducer``).
+sit below the optimizer, for ZeRO and FSDP2, are ``ampfused._reducers``). :func:`data_parallel`
+builds a stock DDP that leaves the fp32-accumulated params out and all-reduces their flat fp32
+storage itself, once per synced backward. Why DDP cannot reduce them, the wire format, unused params
+and which ranks join: docs/distributed.md ("DistributedDataParallel").
 """
 from __future__ import annotations
 
@@ -126,7 +107,7 @@ class _Fp32DataParallel(torch.nn.Module):
 class _Fp32Reducer:
     """All-reduces the optimizer's flat fp32 gradients once at the end of each synced backward.
 
-    [note: every rank joins] The all-reduce is queued (an autograd callback at the end of the
+    The all-reduce is queued (an autograd callback at the end of the
     backward, as DDP queues its own) by the first of two triggers: a gradient reaching the wrapped
     module's output, or one of the fp32-accumulated params (for a loss that reaches them outside the
     forward). A param hook alone is not enough: on a rank where none of those params gets a gradient
@@ -168,7 +149,7 @@ class _Fp32Reducer:
     def _warn_if_ddp_skips(self) -> None:
         """Warn (once) when this rank's synced backward reaches none of DDP's own trainable params.
 
-        [note: a rank with no DDP gradient] DDP's reducer starts its all-reduces from hooks on its
+        DDP's reducer starts its all-reduces from hooks on its
         params; a backward that reaches none of them joins nothing of DDP's on this rank. That is
         fine when every rank does so, and hangs the others when some rank's backward does reach them
         (stock DDP with ``find_unused_parameters=True`` hangs the same way): a collective mismatch only
@@ -187,7 +168,7 @@ class _Fp32Reducer:
 
     @torch.no_grad()
     def _reduce(self) -> None:
-        """[note: unused params] A param with no gradient on this rank in the synced backward (``p.grad``
+        """A param with no gradient on this rank in the synced backward (``p.grad``
         is not its ``main_grad``: autograd never reached it since the last clear) contributes zeros to the
         gradient all-reduce and 0 to a used-map, one fp32 flag per param summed over the ranks in a second,
         tiny all-reduce that overlaps the big one. Where the map says no rank used it, ``p.grad`` goes back
@@ -213,7 +194,7 @@ class _Fp32Reducer:
         grads.wait()
         flat.data.div_(world)
         if unused_here:
-            # [note: one read of the map] the host needs it to set p.grad to None; only rank-local unused
+            # the host needs it to set p.grad to None; only rank-local unused
             # params can be unused everywhere, so the common case (every param used here) reads nothing
             used_anywhere = used[unused_here].tolist()
             for i, count in zip(unused_here, used_anywhere):

@@ -123,7 +123,7 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ unscale / step
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        # [note: fp16 and bf16 unscale] torch refuses fp16 grads here and its CUDA kernel refuses
+        # torch refuses fp16 grads here and its CUDA kernel refuses
         # bf16; with fp32 master weights both are safe to unscale, so both are accepted.
         if isinstance(optimizer, FusedAmpAdamW):
             optimizer.unscale_grads_(inv_scale, found_inf)
@@ -177,7 +177,7 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Update the scale on the device (see the class docstring); never synchronizes.
 
-        [note: one launch] The rules run as the ``scaler_update_`` pass of the backend that serves
+        The rules run as the ``scaler_update_`` pass of the backend that serves
         the scale's device (one kernel on a GPU, one op on the CPU), which also writes the
         collapse watch's snapshot; the reference pass serves where a backend has none.
         """

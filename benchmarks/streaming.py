@@ -27,7 +27,10 @@ import ampfused
 from ampfused.bench import cli, measure
 from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY
 from ampfused.bench.environment import Load, environment, loadavg
-from ampfused.bench.passes import fmt, make_row, ms_cell, pass_rows, pass_table, write
+from ampfused.bench import passes
+from ampfused.bench.configs import human
+from ampfused.bench.passes import make_row, ms_cell, pass_rows, pass_table
+from ampfused.bench.report import fmt
 
 # ---------------------------------------------------------------- 2. steps
 
@@ -165,6 +168,18 @@ def step_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict], env: dict) -> str:
+    """streaming.md: the passes' table (as the bench's passes sweep writes it), the clock, the steps' table."""
+    parts = passes.markdown(rows, "Large tensors: passes and steps", env).split("\n")
+    parts.insert(4, f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, "
+                 "benchmarks/streaming.py [note: CPU-time clock])")  # after the versions line
+    steps = [r for r in rows if r["section"] == "steps"]
+    if steps:
+        parts += [f"## Steps at {human(steps[0]['numel'])} params in {steps[0]['tensors']} tensors, fresh gradients "
+                  "each step", "", step_table(steps), ""]
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/streaming.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=cli.parse_size, default=50_000_000, help="fp32 params in all (default 50M)")
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             print(step_table(part), flush=True)
             rows += part
     env = dict(environment(device, torch.get_num_threads()), clock=args.clock)
-    paths = write(rows, args.out, "Large tensors: passes and steps", env, "streaming", step_table)
+    paths = passes.write(rows, args.out, "streaming", markdown(rows, env))
     print("wrote " + ", ".join(paths))
     return 0
 

@@ -1,10 +1,10 @@
 // The element-wise math of one AdamW step, shared by the CPU and the CUDA kernels.
 //
-// [note: one routine] Both builds compile this header: nvcc sees __host__ __device__ functions, the
+// Both builds compile this header: nvcc sees __host__ __device__ functions, the
 // host compiler sees plain inline C++ (AMPFUSED_HD expands to `inline`). The kernels differ only
 // in how they walk memory; what happens to one element is written here once.
 //
-// [note: operation order] The order of operations is the one of torch.optim.AdamW's single-tensor
+// The order of operations is the one of torch.optim.AdamW's single-tensor
 // path as ampfused/reference.py spells it, so that the CPU kernels reproduce the reference bitwise:
 //   w  = w * (1 - lr*wd)
 //   m  = lerp(m, g, 1 - beta1)              ATen's vectorized lerp: fma(coeff, g - m, base)
@@ -82,7 +82,7 @@ struct AdamWScalars {
 };
 
 // beta ** t for the integer-valued step t, as Python's float pow rounds it (which torch uses).
-// [note: pow on the device] The CUDA pow (__internal_accurate_pow, ~2 ulp) is a long fp64 routine;
+// The CUDA pow (__internal_accurate_pow, ~2 ulp) is a long fp64 routine;
 // on the device the power is taken by squaring in double-double (~2^-100 relative: every product
 // keeps its rounding error, from one fma), then rounded once to double, i.e. the correctly rounded
 // beta ** t that glibc's pow returns on the host, but for a tie at 2^-100. Steps are whole numbers
@@ -133,9 +133,8 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
 // which the CPU update is bound by (two divisions and a sqrt per element) where the divider is
 // slow: Intel's takes 10-16 cycles per 512-bit division. AMD Zen 4's takes ~6 while each of the
 // four FMAs here takes two of its 256-bit slots, so the builds for AMD family 19h (AMPFUSED_DIVIDER:
-// kernels_avx2_div.cpp, kernels_avx512_div.cpp) divide: AVX-512 0.50 -> 0.45 ns/element for the
-// fp32-master update in L1/L2, split16 0.67 -> 0.56; AVX2 0.74-0.89 -> 0.67-0.69
-// (benchmarks/native/compact_update.cpp). Bitwise the same either way. q0 = RN(a*y) is within
+// kernels_avx2_div.cpp, kernels_avx512_div.cpp) divide, which is faster there
+// (docs/results/cpu-loops.md). Bitwise the same either way. q0 = RN(a*y) is within
 // 1.5 ulp of a/c; one FMA correction brings it within 1 ulp, and then Markstein's theorem (y within
 // half an ulp of 1/c, q within 1 ulp of a/c, a - c*q exact in an FMA) makes the second correction
 // RN(a/c). It needs a - c*q not to underflow: here a = sqrt(v) >= 2^-74.5 or 0, c in (0, 1]. Zeros, inf
@@ -148,7 +147,7 @@ AMPFUSED_HD float div_by_constant(float a, float c, float y) {
 }
 #endif
 
-// [note: one body per build] adamw_element's body depends on how its file is built (FMA or two
+// adamw_element's body depends on how its file is built (FMA or two
 // roundings, the divider or div_by_constant), and several CPU ISA files include it; each variant
 // lives in its own inline namespace, so the linker can never merge two builds' copies under one
 // name (it is always inlined today; this keeps that safe if it ever is not).
@@ -195,7 +194,7 @@ AMPFUSED_HD float inv_scale_of(const float* grad_scale) {
   return grad_scale == nullptr ? 1.0f : static_cast<float>(1.0 / static_cast<double>(*grad_scale));
 }
 
-// [note: skip only on elements] `bad` says whether any unscaled element was inf/NaN; a finite sum
+// Skip only on elements: `bad` says whether any unscaled element was inf/NaN; a finite sum
 // that overflowed is not one: its norm is inf and, with clipping, the coefficient 0 (as torch).
 // Writes every slot of the stats vector (contract.h); reference.finish_ is the specification.
 // check_nonfinite = false (skip_nonfinite=False without a scaler): only found_inf skips.
@@ -241,7 +240,7 @@ AMPFUSED_HD void scaler_update(float found_inf, float* scale, int32_t* growth_tr
   const int32_t good_steps = found ? 0 : *growth_tracker + 1;
   const bool grow = good_steps == r.growth_interval;
   const float s = *scale;
-  // [note: scale products in double] torch's _amp_update_scale_ computes float * double in double
+  // torch's _amp_update_scale_ computes float * double in double
   // and rounds the result to float once: RN(s * 0.3), not RN(s * RN_float(0.3)).
 #if defined(__CUDA_ARCH__)
   const float grown = static_cast<float>(__dmul_rn(static_cast<double>(s), r.growth_factor));

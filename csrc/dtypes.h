@@ -1,8 +1,8 @@
 // Element types the kernels read and write, and their float conversions (host and device).
 //
-// [note: raw 16-bit storage] fp16/bf16 values travel as uint16_t bit patterns so that this header
+// fp16/bf16 values travel as uint16_t bit patterns so that this header
 // needs neither ATen nor cuda_fp16.h on the host side; the conversions round to nearest even, as
-// Tensor.to() does. On the host, fp16 goes through c10-free bit manipulation (see [note: fp16 on the host]).
+// Tensor.to() does. On the host, fp16 goes through c10-free bit manipulation (see "fp16 on the host" below).
 #pragma once
 
 #include <cstdint>
@@ -49,7 +49,7 @@ AMPFUSED_HD uint32_t float_to_bits(float f) {
 AMPFUSED_HD float to_float(float x) { return x; }
 AMPFUSED_HD float to_float(BFloat16 x) { return bits_to_float(static_cast<uint32_t>(x.x) << 16); }
 
-// [note: fp16 on the host] the conversions below are branch-free integer/float formulas, bitwise
+// fp16 on the host: the conversions below are branch-free integer/float formulas, bitwise
 // equal to F16C's vcvtph2ps / vcvtps2ph (round to nearest even), which torch's CPU conversions use.
 // The AVX2/AVX-512 hot loops convert whole blocks with those instructions instead (kernels_impl.h:
 // GCC vectorizes these formulas poorly, and `_Float16` casts compile to one scalar conversion per

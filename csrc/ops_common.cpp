@@ -20,7 +20,7 @@ int32_t dtype_code(const at::Tensor& t, const char* what) {
 
 namespace {
 
-// [note: dense of any memory format] The kernels walk param, grad and state as flat memory, so
+// Dense of any memory format: the kernels walk param, grad and state as flat memory, so
 // element k of one is element k of the others exactly when their strides agree (channels_last
 // params with channels_last state and grads are fine).
 bool same_flat_layout(const at::Tensor& t, const at::Tensor& param) {
@@ -195,7 +195,7 @@ UpdateCall collect_update(
                 ": a tensor's moments share one dtype");
     t.param = p.data_ptr();
     t.grad = grads[i].data_ptr();
-    // [note: compact pointers] a bf16 moment / int16 or int8 master travels in the record's float*
+    // a bf16 moment / int16 or int8 master travels in the record's float*
     // fields; the kind says what they point at (contract.h)
     t.exp_avg = static_cast<float*>(exp_avgs[i].data_ptr());
     t.exp_avg_sq = static_cast<float*>(exp_avg_sqs[i].data_ptr());

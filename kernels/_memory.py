@@ -4,18 +4,18 @@ Params and grads are fp32, fp16 or bf16; the dtype is a per-tensor runtime code
 (``_tables.DTYPE_CODE``, ampfused._contract's DTYPE_ codes), uniform within a program, so the branches below
 never diverge. ``mask=None`` means a full block: no predication, so 16-byte vector accesses.
 
-[note: bf16 by bit manipulation] bf16 values are moved as uint16 bits and converted with integer
+bf16 values are moved as uint16 bits and converted with integer
 ops, not ``.to(tl.bfloat16)``: widening is exact (``bits << 16``) and narrowing is
 round-to-nearest-even by the classic ``bits + 0x7FFF + lsb`` (NaN kept quiet), which is what
 torch's ``Tensor.to(torch.bfloat16)`` does. The Triton 3.6 interpreter's own fp32->bf16 cast
 truncates, so ``.to`` would make the CPU checks disagree with the GPU; with integers both run the
 same exact code, at no cost that matters in a memory-bound kernel.
 
-[note: 4 elements a thread] 16-bit pointers are declared 8-byte (not 16-byte) aligned on purpose:
+16-bit pointers are declared 8-byte (not 16-byte) aligned on purpose:
 then every access of a block, fp32 or 16-bit, has 4 contiguous elements a thread (16-byte fp32,
 8-byte 16-bit vectors) and the compiler needs no shared-memory layout conversions between them.
 
-[note: few helpers] The interpreter re-patches ``triton.language`` at every call of a nested
+The interpreter re-patches ``triton.language`` at every call of a nested
 ``@triton.jit`` function (~1 ms each), so the kernels call few helpers per block and these
 helpers call none.
 """

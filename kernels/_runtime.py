@@ -1,6 +1,6 @@
 """Where the Triton kernels can run, and the launch sizes they use there.
 
-[note: interpreter] With ``TRITON_INTERPRET=1`` (set before this module is imported: Triton reads it
+With ``TRITON_INTERPRET=1`` (set before this module is imported: Triton reads it
 when the kernels are decorated) every kernel runs in Triton's numpy interpreter on CPU tensors.
 That is how CI checks the kernels on machines without a GPU. The interpreter cannot serve CUDA
 tensors for these kernels: it copies the tensors it is *passed* to the host, but the kernels reach
@@ -43,18 +43,16 @@ def launch(kernel, grid):
 def _no_launch(*args, **kwargs) -> None:
     return None
 
-# [note: block sizes] On a GPU a program moves BLOCK elements per loop iteration (4 warps, 8
+# On a GPU a program moves BLOCK elements per loop iteration (4 warps, 8
 # elements a thread: two 16-byte vectors of fp32) and owns one CHUNK of one tensor, so a 1B-param
 # model is ~120k programs and a tensor of 10 elements is one. The interpreter pays per operation,
 # not per element, yet small sizes there make the test tensors cross block and chunk boundaries.
 # [note: update block] The update moves UPDATE_BLOCK = 512 elements per iteration: 4 a thread, one
-# 16-byte fp32 vector per tensor (1024 took 146 registers, 3 blocks an SM). That alone gives 80
-# registers (per-tensor scalars, six 64-bit addresses, dtype branches). UPDATE_MAXNREG caps it at 72:
-# 7 blocks of 4 warps an SM (44% occupancy) and no spill. At 64 (8 blocks, 50%; not "full": an SM
-# holds 64 warps) ptxas spilled 12 bytes that it reloaded in the streaming loop (3 LDL an iteration),
-# which tests/contract/sm90_compile.py refuses. [note: stats block] The stats loop already has two 16-byte
-# loads in flight a thread for fp32 grads (8 elements); BLOCK = 2048 (four) took 157 registers
-# (3 blocks an SM), so it stays 1024. docs/results/sm90-kernels.md has the table.
+# 16-byte fp32 vector per tensor; a larger block costs registers, and so blocks per SM. UPDATE_MAXNREG
+# is the lowest cap at which ptxas spills nothing in the streaming loop (tests/contract/sm90_compile.py
+# refuses such spills). The stats loop already has two 16-byte loads in flight a thread for fp32
+# grads, so BLOCK stays 1024. The sizes and caps tried: docs/results/triton-launch-sizes.md; what
+# the chosen ones compile to: docs/results/sm90-kernels.md.
 if INTERPRET:
     BLOCK, UPDATE_BLOCK, CHUNK, TABLE_BLOCK, ACCUMULATE_BLOCK = 256, 256, 1024, 128, 1024
 else:
@@ -62,9 +60,9 @@ else:
 NUM_WARPS = 4
 UPDATE_MAXNREG = None if INTERPRET else 72
 # [note: compact registers] The update's compact variants (DESIGN §9) with split8 masters or int8
-# moments spill in the block loop under 72 registers (split8 + bf16 moments: 68 bytes, 17 reloads in
-# hot loops; int8: 2); at 80 neither spills (6 blocks an SM, 38%). split16 and bf16 moments (with or
-# without stochastic rounding) fit 72 without hot-loop spills. docs/results/sm90-kernels.md has the table.
+# moments spill in the block loop under UPDATE_MAXNREG and not under COMPACT_MAXNREG; split16 and
+# bf16 moments (with or without stochastic rounding) fit UPDATE_MAXNREG
+# (docs/results/triton-launch-sizes.md).
 COMPACT_MAXNREG = 80
 
 
@@ -73,10 +71,10 @@ def update_maxnreg(split8: bool, int8_state: bool) -> int | None:
     if UPDATE_MAXNREG is None:
         return None
     return COMPACT_MAXNREG if (split8 or int8_state) else UPDATE_MAXNREG
-# [note: persistent stats] The stats launch has at most PROGRAMS_PER_SM programs per SM, each looping
+# The stats launch has at most PROGRAMS_PER_SM programs per SM, each looping
 # over chunks, so the last program's final reduction adds ~1000 partials (one vector load), not one
 # per chunk (~820k at 7B). The interpreter gets a few programs, so the loop is still exercised.
-PROGRAMS_PER_SM = 6  # the stats kernel takes 72 registers: 7 blocks of 4 warps fit an SM
+PROGRAMS_PER_SM = 6  # fewer than the stats kernel's blocks that fit an SM (docs/results/sm90-kernels.md)
 INTERPRET_PROGRAMS = 3
 _sm_counts: dict[int, int] = {}
 
@@ -128,7 +126,7 @@ def _probe_cuda() -> str | None:
 def launches_on(device_of):
     """Decorator of a pass: run it with its tensors' CUDA device current.
 
-    [note: current device] Triton launches on ``torch.cuda.current_device()`` and its current
+    Triton launches on ``torch.cuda.current_device()`` and its current
     stream, while the tables are uploaded on the tensors' device: an optimizer on ``cuda:1`` with
     ``cuda:0`` current would otherwise launch in the wrong context, unordered with its own grads.
     """

@@ -1,17 +1,13 @@
 """fp32 gradient accumulation for the post-accumulate-grad hook: ``main_grad += grad``.
 
-[note: accumulation bytes] The hook (``ampfused.optim``) calls this once per param per backward, right
-after autograd has produced the fresh low-precision ``p.grad``, and then frees ``p.grad``. So each
-fp16/bf16 gradient is read exactly once, in every micro-batch including the last:
-2 B (grad) + 4 B (read main_grad) + 4 B (write main_grad) = 10 B per element per micro-batch. The
-step then reads only fp32 ``main_grad`` (4 B in the stats pass, 4 B in the update pass); no
-low-precision gradient is ever re-read, and none outlives its hook call.
+Each fp16/bf16 gradient is read once, in the backward that made it (docs/design.md §3 has the
+bytes); the step reads only the fp32 ``main_grad``.
 
 Folding the last micro-batch's sum of squares in here would save the stats pass's 4 B/element, but
 the hook cannot know which backward is the last before ``step()``; it would have to publish a
 per-param sum of squares after every micro-batch, and ``grad_stats_`` would have to trust it (stale
-after any write to ``main_grad`` outside the hook). That needs a contract change in the core, so it
-is not done here; one launch per hook call, a pure streaming kernel, is what this file provides.
+after any write to ``main_grad`` outside the hook), a contract change in the core. So this is one
+launch per call, a pure streaming kernel.
 """
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from torch import Tensor
 from . import _runtime
 
 
-# [note: exactness] main_grad + grad is one rounding add of an exactly widened value: no product to
+# Exactness: main_grad + grad is one rounding add of an exactly widened value: no product to
 # contract and no comparison that depends on an identity, so fp fusion is left at Triton's default.
 @triton.jit
 def _widen(grad, GRAD_IS_BF16: tl.constexpr):

@@ -4,15 +4,15 @@ Every program loops over chunks of the gradients and keeps the sum of ``u * u`` 
 non-finite ``u``. The last program to finish adds the partials in a fixed order and writes the
 stats vector: norm, skip flag, factor (loss scale and clip coefficient), sum of squares.
 
-[note: non-finite test] ``u`` is inf/NaN exactly when its fp32 exponent bits are all ones: an
-integer test on the bits of the rounded product, which no compiler can contract. The former
-``bad += u - u`` was not: with fp fusion on, ``x * inv_scale - u`` became
+``u`` is inf/NaN exactly when its fp32 exponent bits are all ones: an
+integer test on the bits of the rounded product, which no compiler can contract. A float test
+such as ``bad += u - u`` is not: with fp fusion on, ``x * inv_scale - u`` became
 ``fma(x, inv_scale, -u)``, the product's rounding error, non-zero for almost every element once
 the scale is not a power of two (every step skipped on a GPU, never in the interpreter). Fusion
 stays on here for ``acc += u * u`` (an fma, as the CUDA kernel's), which feeds only the norm.
 tests/contract/sm90_compile.py checks the compiled PTX for this.
 
-[note: while] Loops with run-time bounds are ``while`` loops: ``for i in range(a, b)`` with tensor
+Loops with run-time bounds are ``while`` loops: ``for i in range(a, b)`` with tensor
 bounds crashes the Triton 3.6 interpreter under NumPy >= 2.4 (it calls ``int()`` on a 1-element
 array), and CI checks these kernels in the interpreter. Compiled, both are the same scf loop.
 """
@@ -79,7 +79,7 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
     tl.store(partials_ptr + pid, tl.sum(acc, axis=0))
     tl.store(partials_ptr + n_programs + pid, tl.max(bad, axis=0).to(tl.float32))  # 0.0 or 1.0
 
-    # [note: last program finishes] Each program publishes its partials, then takes a ticket; the
+    # Each program publishes its partials, then takes a ticket; the
     # program holding the last ticket adds every partial in a fixed order (no float atomics, so
     # the norm is bitwise reproducible), runs the finish (reference.finish_) and resets the ticket
     # counter, so the next launch, or the next replay of a CUDA graph, starts from zero.

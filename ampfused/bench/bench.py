@@ -1,24 +1,11 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (a parameter set under a step configuration, ``configs.py``) and every provider
-(stock torch foreach / fused with ``torch.amp.GradScaler``, ``FusedAmpAdamW`` with
-``ampfused.GradScaler`` on each available backend, ``providers.py``): build it from the case's
-seeded params and gradients; **gate** it (``--gate-steps`` steps compared with stock torch-fused's;
-a provider that fails is reported FAILED, is not timed, and the command exits 1); then time
-``step()`` of all that passed, and the ``a += b`` roofline stream of each byte count,
-**interleaved** (``measure.interleaved``). [note: oracle untimed] Beside a compiled backend the
-``reference`` backend is the oracle and the fallback, not a contender: gated, not timed (status
-``untimed``) unless ``--backends`` names it. The ``host`` sweep times the host side of ``step()``
-on many tiny tensors; the ``passes`` sweep each pass alone (``passes.py``).
-
-Threads (CPU): unless ``--threads`` says, the run first measures for a second how many cores other
-processes keep busy and takes the free ones (``environment.pick_threads``); where none is free it
-says that its numbers are not to be trusted, in its output and its report.
-
-Outputs in ``--out`` (default ``bench-results/``): ``bench.csv``, ``bench.md``, ``run.json`` and
-``*.png`` (matplotlib). Metrics, sweeps and the gate in full: benchmarks/README.md §1. The
-README's tables are made from ``bench.csv`` and ``run.json`` by ``benchmarks/summary.py``; the
-training benchmark is ``benchmarks/bench_train.py``; both run from a checkout.
+For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it (``--gate-steps``
+steps compared with stock torch-fused's; a failure is reported FAILED, not timed, and exits 1), then
+time the ``step()`` of all that passed and the ``a += b`` roofline stream **interleaved**
+(``measure.interleaved``). Beside a compiled backend the ``reference`` backend is the oracle: gated,
+not timed (status ``untimed``) unless ``--backends`` names it. On a CPU the thread count follows the
+free cores (``environment.pick_threads``). Outputs, metrics, sweeps and the gate: benchmarks/README.md §1.
 """
 from __future__ import annotations
 
@@ -35,8 +22,7 @@ from . import cli, configs, measure, passes, providers, report
 from .environment import Load, environment, pick_threads
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
-# [note: cpu budget] 0.3 s at most while noisy: on a loaded machine most CPU timings stay noisy to the
-# end and are marked unstable anyway; longer only made the default run longer.
+# CPU: at most 0.3 s while noisy, as on a loaded machine most timings stay noisy to the end anyway.
 BUDGETS = {
     "quick": measure.Budget(0.02, 0.1, min_samples=5, rounds=5),
     "cpu": measure.Budget(0.1, 0.3, min_samples=10),
@@ -124,17 +110,10 @@ def gate(provider, name, args, device, expected, case=None, data=None):
     mode = providers.memory_mode(name)
     if mode is None:
         return measure.compare(provider.results(), expected), None
-    # [note: memory-mode gate] a lossy mode is held to the reference backend running the same mode
-    # (the specification of its encodings), both on the case without clipping: an int8 code is a
-    # whole quantization step (up to 1/8 of a moment), so the ulp or two by which two stats passes'
-    # norms differ (fp32 vs double sums) would flip the codes of elements at a rounding tie, and
-    # those masters would then differ by a few percent of a step. With no clip coefficient the
-    # moments are bitwise equal and the masters within the fp32 tolerance; the clipping itself is
-    # the stats pass of the fp32 rows, which are gated against stock. split16 is also held to stock
-    # fp32 masters, as every fp32 row (its bitwise equality with fp32 masters, ties aside, is
-    # tests/compact's business).
-    # The twins take the case's shapes scaled to at most MODE_GATE_NUMEL params: the reference passes
-    # of the compact modes were a seventh of the default run's time at 4M.
+    # A lossy mode is held to the reference backend running the same mode (the specification of its
+    # encodings), both on the case without clipping: two stats passes' norms may differ by an ulp,
+    # which would flip int8 codes at a rounding tie. split16 is also held to stock fp32 masters. The
+    # twins take the case's shapes scaled to at most MODE_GATE_NUMEL params (benchmarks/README.md §1).
     shapes = configs.shape_set(case.shapes.family, min(case.shapes.numel, MODE_GATE_NUMEL))
     unclipped = configs.Case(case.sweeps, shapes, dataclasses.replace(case.config, clip=False))
     twin_data = providers.CaseData(unclipped, device, args.seed)
@@ -180,7 +159,7 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
             continue
         kept = provider.state_bytes()
         row.update(peak_mem_mb=peak / 2**20, state_mb=kept / 2**20, kept_bytes_per_param=kept / case.shapes.numel)
-        if name in untimed:  # [note: oracle untimed]
+        if name in untimed:  # the oracle beside a compiled backend
             row.update(status="untimed", detail=UNTIMED_NOTE)
             provider.close()
             continue
@@ -226,11 +205,8 @@ STUB_NOTE = ("Triton kernels not launched (ampfused.kernels.host_only): host tim
 
 
 def host_only(active: bool):
-    """On a CPU the Triton backend runs in the interpreter, whose kernel time says nothing about a
-    GPU. For the host sweep its steps run inside ``ampfused.kernels.host_only()``: everything before
-    the launch (plan checks, tables, uploads) runs and nothing is launched, so its row is the host
-    side of a step alone, as on a GPU where launches are asynchronous. Its gate is skipped (nothing
-    is updated); the test suite checks these kernels."""
+    """The host sweep's Triton rows on a CPU, where the interpreter's kernel time says nothing about a
+    GPU: the documented seam ``ampfused.kernels.host_only()`` runs the host side and launches nothing."""
     if not active:
         return contextlib.nullcontext()
     from ampfused import kernels
@@ -270,11 +246,9 @@ BIG_CPU_CASE = 20_000_000  # params: above it a CPU case leaves out torch-foreac
 
 
 def case_providers(case, names, device) -> list[str]:
-    """The host sweep compares torch-fused (with or without clipping) with ampfused: foreach is not its question.
-    keep_scaled_grads changes nothing without a scaler: its row is in scaled cases only. The memory modes'
-    rows are the memory sweep's (which has no keep_scaled_grads row: bf16 runs unscaled). A CPU case above
-    BIG_CPU_CASE has no torch-foreach row and no untimed reference oracle: their pure-PyTorch passes were
-    a third of the default run's time at 50M, and the smaller cases answer both questions."""
+    """The providers of ``case``: no torch-foreach in the host sweep, keep_scaled_grads in scaled cases
+    only, the memory modes in the memory sweep only, and on a CPU above BIG_CPU_CASE neither
+    torch-foreach nor the untimed oracle (why: benchmarks/README.md §1, "Correctness gate")."""
     memory = "memory" in case.sweeps
     names = [n for n in names if (providers.MODE in n) == memory or (memory and providers.MODE not in n and
                                                                      not n.endswith(providers.KEEP_SCALED))]
@@ -306,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
     if device.type == "cpu":
-        torch.set_flush_denormal(True)  # see providers.py [note: synthesized gradients]
+        torch.set_flush_denormal(True)  # the synthesized gradients shrink while timed (providers.py)
     budget = BUDGETS[plan_name]
     if args.max_spread is not None:
         budget = measure.Budget(budget.min_s, budget.max_s, budget.min_samples, args.max_spread, budget.rounds)
@@ -317,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     untimed = {"ampfused-reference"} if oracle_only else set()
     if backends:  # scaled rows both ways (p.grad unscaled, as torch, or kept scaled), for the first backend
         names.insert(3, f"ampfused-{backends[0]}{providers.KEEP_SCALED}")
-        if "memory" in args.sweeps:  # and the memory modes of DESIGN §9 (configs [note: memory modes])
+        if "memory" in args.sweeps:  # and the memory modes of DESIGN §9 (configs.MEMORY_MODES)
             names += [f"ampfused-{backends[0]}{providers.MODE}{mode}" for mode in configs.MEMORY_MODES]
     env = environment(device, args.threads)
     env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]), untrusted=untrusted,
@@ -354,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
     if pass_rows:
-        paths += passes.write(pass_rows, args.out, "ampfused passes against the a += b stream", env, "passes")
+        paths += passes.write(pass_rows, args.out, "passes", passes.markdown(pass_rows, "ampfused passes against the a += b stream", env))
         print(passes.markdown(pass_rows, "Passes against the a += b stream", env))
     print(report.markdown_summary(rows))
     print(report.load_line(env))

@@ -1,7 +1,7 @@
 """`python -m ampfused bench busy`: the ``cpu`` backend's step against torch's fused AdamW while one
 spinning process keeps every core busy (as DataLoader workers do).
 
-[note: busy sweep] Where other processes keep the cores busy, a thread of a parallel region that
+Where other processes keep the cores busy, a thread of a parallel region that
 the scheduler does not run holds the region's barrier for a scheduler tick (milliseconds), so a
 step that opens regions for little work stalls ([note: grain] in csrc/cpu/ops_cpu.cpp). Each row
 is like for like on fp32 params, both optimizers at the same thread count: ``plain`` is
@@ -33,7 +33,7 @@ SHAPES = {
     "4x3.1M": (3_100_000,) * 4,
 }
 MODES = ("plain", "clip")
-# [note: busy budgets] A tiny step is a fraction of a millisecond while the spinners take the core
+# A tiny step is a fraction of a millisecond while the spinners take the core
 # away for milliseconds at a time: its rows take many short interleaved bursts, so both sides see
 # the same preemptions. The large rows' steps are long (torch's reach seconds where it stalls):
 # few rounds, and a cap per row, so the sweep stays within minutes.
@@ -121,14 +121,7 @@ class _Side:
 
 def compare(got: dict[str, list], want: dict[str, list]) -> str:
     """'' when every param and moment matches torch's within the fp32 tolerance, else the first mismatch."""
-    rtol, atol = measure.tolerance(torch.float32)
-    for key, tensors in want.items():
-        for i, (g, w) in enumerate(zip(got[key], tensors)):
-            g, w = g.detach(), w.detach()
-            if not torch.isfinite(g).all() or not torch.allclose(g, w, rtol=rtol, atol=atol):
-                j = int(((g - w).abs() - rtol * w.abs()).nan_to_num(float("inf")).argmax())
-                return f"{key}[{i}] element {j}: {float(g[j]):.8g} vs torch {float(w[j]):.8g}"
-    return ""
+    return measure.compare(got, want, against="torch")
 
 
 def run_row(shape: str, mode: str, threads: int, budget: measure.Budget, gate_steps: int = 2, seed: int = 0) -> dict:

@@ -16,7 +16,7 @@ DTYPES = {"fp32": torch.float32, **LOW_PRECISION}
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 MAX_GRAD_NORM = 1.0
 INIT_SCALE = 2.0**16
-# [note: fixed loss scale] growth_interval is set beyond any step count the timing can reach, so
+# growth_interval is set beyond any step count the timing can reach, so
 # the scale (and therefore what the synthesized scaled gradients mean) never changes mid-run.
 GROWTH_INTERVAL = 10**9
 GRAD_STD = 1e-3  # unscaled gradient magnitude: the global norm is >> MAX_GRAD_NORM at every size, so clipping engages
@@ -24,18 +24,9 @@ GRAD_STD = 1e-3  # unscaled gradient magnitude: the global norm is >> MAX_GRAD_N
 
 @dataclass(frozen=True)
 class StepConfig:
-    """The training-step tail being benchmarked.
-
-    param_dtype: dtype of the model params ("fp32", "bf16", "fp16"). For bf16/fp16 the optimizer
-        keeps fp32 master weights and accumulates gradients in fp32.
-    micro_batches: gradient-accumulation micro-batches per optimizer step (1 for fp32 params:
-        autograd accumulates fp32 grads itself, outside the optimizer's business).
-    loss_scaling: the GradScaler is enabled (fp32 params under fp16 autocast, fp16 params);
-        bf16 runs with the scaler disabled, as bf16 training usually does.
-    clip: global-norm clipping to MAX_GRAD_NORM.
-    fresh_grads: every step hands over new grad tensors at new addresses, as torch's default
-        ``zero_grad(set_to_none=True)`` + backward do (providers.py [note: fresh grads]).
-    """
+    """The training-step tail being benchmarked (the configurations: benchmarks/README.md §1). fp32
+    params take one micro-batch (autograd accumulates fp32 grads itself); ``fresh_grads``: new grad
+    tensors every step, as ``zero_grad(set_to_none=True)`` + backward give (providers.FreshGrads)."""
 
     param_dtype: str
     micro_batches: int
@@ -122,7 +113,7 @@ class ShapeSet:
 def shape_set(family: str, total: int) -> ShapeSet:
     """``total`` params split as ``family`` does.
 
-    [note: scaled shapes] gpt2-like / llama-like keep the tensor count and the relative size of
+    gpt2-like / llama-like keep the tensor count and the relative size of
     every tensor of the real model and scale all of them by ``total / model size`` (each at least 1
     element), flattened to 1-D: the optimizer step is element-wise, so only the size
     distribution and the tensor count matter. few-large is 4 equal tensors.
@@ -160,27 +151,26 @@ class Case:
 
     @property
     def host(self) -> bool:
-        """Timed on the host (see [note: host sweep]), not on the device."""
+        """Timed on the host (HOST_COUNTS), not on the device."""
         return self.sweeps == ("host",)
 
 
 SWEEPS = ("configs", "size", "tensors", "host", "passes", "memory")
-# [note: memory modes] DESIGN §9's compact state as rows of their own: name -> (master_weights,
+# DESIGN §9's compact state as rows of their own: name -> (master_weights,
 # state_dtype) of FusedAmpAdamW, on bf16 params (split16 has no fp16 form) at the configs sweep's
 # size (GPT-2-like tensors) and the size sweep's largest, against stock and ampfused fp32 masters.
 MEMORY_MODES = {
     "split16": ("split16", None), "split8": ("split8", None), "bf16-moments": (None, torch.bfloat16),
     "int8-moments": (None, "int8"), "split16+bf16": ("split16", torch.bfloat16), "split8+int8": ("split8", "int8"),
 }
-# [note: host sweep] many tiny tensors, where the device work is ~0 and a step's time is the Python
+# The host sweep: many tiny tensors, where the device work is ~0 and a step's time is the Python
 # and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
 # model with 2000 params, 16 elements each; with stable grads (autograd accumulating into the same
 # p.grad) and with fresh grads every step (torch's default zero_grad(set_to_none=True) loop).
 HOST_COUNTS, HOST_NUMEL = (148, 291, 2000), 16
 
-# [note: sweep design] The full configuration matrix is run at one representative size (GPT-2-like
-# shapes); total size is swept for fp32 (and bf16 on GPU), tensor count for fp32 and bf16 x4
-# accumulation. That keeps the default CPU run near two minutes while covering every axis.
+# The full configuration matrix at one representative size, the other axes for fewer configurations:
+# the default CPU run stays near two minutes and covers every axis (the plans: benchmarks/README.md §1).
 PLANS = {
     # name: (configs-sweep total, size-sweep totals, tensors-sweep total)
     "quick": (256_000, (1_000_000,), 256_000),
@@ -189,7 +179,7 @@ PLANS = {
 }
 
 
-# [note: passes sweep] each pass of the compiled backend alone against the a += b stream, at the
+# each pass of the compiled backend alone against the a += b stream, at the
 # largest CPU size (ampfused/bench/passes.py); 100M on a GPU keeps it within a 16 GB card.
 PASSES_NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
 PASSES_TENSORS = 4

@@ -95,7 +95,7 @@ def loadavg() -> str:
 class Load:
     """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``.
 
-    [note: load measure] /proc/stat's busy jiffies of the whole machine minus this process's own
+    /proc/stat's busy jiffies of the whole machine minus this process's own
     (/proc/self/stat, all threads), over the elapsed jiffies: 0.0 on an idle machine, 1.0 when
     another process kept one core busy the whole time. The load average alone cannot tell this
     benchmark's own threads from other work. NaN where /proc is not available.
@@ -112,10 +112,6 @@ class Load:
 
     def stop(self) -> float:
         self.loadavg_after = loadavg()
-        return self.other_cores(self.begin, _sample())
-
-    def other_cores_now(self) -> float:
-        """Other processes' busy cores since ``start()``, without stopping."""
         return self.other_cores(self.begin, _sample())
 
     @staticmethod

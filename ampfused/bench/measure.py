@@ -1,15 +1,5 @@
-"""Timing, the roofline stream, peak memory and the correctness comparison.
-
-[note: interleaved timing] Every provider of a case (and the roofline streams of its byte counts) is
-timed in the same loop: each round runs every function a calibrated burst of calls, so machine
-load, clock changes and thermal drift hit stock and ampfused alike, at a granularity of a few
-milliseconds. Each call is one sample: ``time.perf_counter`` around it on CPU, CUDA events around it
-on a GPU (L2 flushed before every call, as ``triton.testing.do_bench`` does). A timing is
-*unstable* when it got fewer than ``Budget.min_samples`` samples or its p20-p80 spread exceeds
-``Budget.max_spread`` of the median; unstable timings are reported as such, never silently.
-Host timing (``host=True``): wall time of the call alone on the calling thread, the device
-synchronized before every call but not inside it.
-"""
+"""Timing, the roofline stream, peak memory and the correctness comparison (what each metric
+means: benchmarks/README.md §1, "Metrics")."""
 from __future__ import annotations
 
 import math
@@ -106,12 +96,14 @@ class _CallTimer:
 def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget: Budget, *, host: bool = False,
                 clock: Callable[[], float] = time.perf_counter, on_round: Callable[[], None] | None = None
                 ) -> dict[str, Timing]:
-    """Time every function of ``fns`` in alternating bursts (see [note: interleaved timing]);
-    ``on_round`` is called after every round (a progress bar).
+    """Time every function of ``fns`` in alternating bursts, so machine load, clock changes and thermal
+    drift hit all of them alike; ``on_round`` is called after every round (a progress bar).
 
     One untimed call of each calibrates its burst length: ``ceil(max(min_samples, min_s / t) / rounds)``
     calls per round, so a slow function and a fast one both finish their minimum in about
-    ``rounds`` rounds. A function that raises is dropped from the rotation and reported with ``error``.
+    ``rounds`` rounds. Each call is one sample (perf_counter on CPU and with ``host``, where the device
+    is synchronized before the call but not inside it; CUDA events otherwise, L2 flushed first). A
+    function that raises is dropped from the rotation and reported with ``error``.
     """
     timer = _CallTimer(device, host, clock)
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -162,14 +154,10 @@ COPY_CAP_BYTES = 4 << 30
 
 
 class DeviceCopy:
-    """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a).
-
-    Timed in the same interleaved loop as the providers (``fn``), so it sees the same load.
-    [note: roofline op] an in-place update, not ``dst.copy_(src)``: on a CPU a copy's stores first
-    read the destination into cache (write-allocate), moving 1.5x the bytes it is credited with,
-    so stock AdamW -- which updates in place, like ``a += b`` -- ran "above the roofline".
-    [note: copy cap] above 4 GiB moved the stream runs on 4 GiB (bandwidth is flat well before
-    that), so a 1B-param case does not need another 48 GB of device memory.
+    """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a),
+    timed in the providers' interleaved loop. In place, as AdamW updates: a ``copy_``'s stores first
+    read the destination into a CPU's cache, moving more bytes than it is credited with. Capped at
+    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory.
     """
 
     def __init__(self, nbytes: float, device: torch.device):
@@ -187,13 +175,10 @@ class DeviceCopy:
 
 
 class PeakMemory:
-    """Peak memory while a provider is alive, in bytes above the level at ``start()``.
-
-    CUDA: the caching allocator's peak. CPU: growth of the process's peak resident set (VmHWM,
-    reset by writing 5 to /proc/self/clear_refs) after ``malloc_trim``; approximate, since glibc can
-    serve a provider from heap memory an earlier one freed (an undercount, never an overcount of
-    what the provider needed beyond that). NaN where /proc is not available.
-    """
+    """Peak memory while a provider is alive, in bytes above the level at ``start()``: the CUDA
+    allocator's peak, or on a CPU the growth of the peak resident set (VmHWM, reset through
+    /proc/self/clear_refs) after ``malloc_trim``, an undercount where glibc reuses freed heap. NaN
+    without /proc."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -247,12 +232,13 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return 1e-5, 1e-6
 
 
-def compare(results: dict[str, list], expected: dict[str, list]) -> str:
-    """'' when every tensor matches within tolerance, else a description of the worst mismatch."""
-    for key in ("master", "param"):
+def compare(results: dict[str, list], expected: dict[str, list], against: str = "stock") -> str:
+    """'' when every tensor of ``expected``'s keys matches within tolerance, else the first mismatch."""
+    for key in expected:
         for i, (got, want) in enumerate(zip(results[key], expected[key])):
-            got = got.detach()
-            if key == "param" and _same(got, results["master"][i]) and _same(want, expected["master"][i]):
+            got, want = got.detach(), want.detach()
+            if key == "param" and "master" in expected and _same(got, results["master"][i]) and \
+                    _same(want, expected["master"][i]):
                 continue  # fp32 params are their own masters: compared above
             if got.shape != want.shape or got.dtype != want.dtype:
                 return f"{key}[{i}]: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
@@ -265,7 +251,7 @@ def compare(results: dict[str, list], expected: dict[str, list]) -> str:
             excess = (g - w).abs() - (atol + rtol * w.abs())
             if (excess > 0).any():
                 j = int(excess.argmax())
-                return (f"{key}[{i}] element {j}: {float(g[j]):.8g} vs stock {float(w[j]):.8g} "
+                return (f"{key}[{i}] element {j}: {float(g[j]):.8g} vs {against} {float(w[j]):.8g} "
                         f"(rtol {rtol:.1e}, atol {atol:.1e})")
     return ""
 

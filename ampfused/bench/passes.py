@@ -1,17 +1,12 @@
-"""The ``passes`` sweep of ``python -m ampfused bench``: every pass of the compiled backend alone
-(``torch.ops.ampfused.*``) and torch's own passes (the fused AdamW step, ``_foreach_norm`` and
-``_foreach_mul_`` of ``clip_grad_norm_``, a plain read ``sum``), timed interleaved with the roofline
-stream ``a += b`` over the same number of fp32 elements (``measure.interleaved``). Each gets its
-modeled bytes per element, GB/s and the fraction of the roofline's GB/s. A read-only pass (stats,
-norm, sum) moves no write-back; on a CPU core its GB/s is capped by the misses one core keeps in
-flight, below the ``a += b`` stream's (the ``sum`` row shows that cap for stock torch).
-
-Writes ``passes.csv`` / ``passes.md``; ``benchmarks/streaming.py`` (a checkout's study of whole steps
-at large sizes) shares these rows and tables.
+"""The ``passes`` sweep of ``python -m ampfused bench``: every pass of the compiled backend alone and
+torch's own passes (fused AdamW, ``clip_grad_norm_``'s ``_foreach_norm`` and ``_foreach_mul_``, a plain
+``sum``), timed interleaved with the ``a += b`` stream over as many fp32 elements: modeled bytes per
+element, GB/s and the fraction of the stream's. A read-only pass is capped by the misses one core
+keeps in flight, below the stream (the ``sum`` row shows that cap for torch). Writes ``passes.csv`` /
+``passes.md``; ``benchmarks/streaming.py`` shares these rows and tables.
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 import time
@@ -21,6 +16,7 @@ import torch
 from . import measure
 from .configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
 from .environment import Load
+from .report import fmt, write_csv
 
 COLUMNS = ["date", "hardware", "torch", "ampfused", "clock", "section", "threads", "numel", "tensors", "name", "bytes_per_elem",
            "median_ms", "p20_ms", "p80_ms", "samples", "unstable", "gbps", "roofline_gbps", "roofline_frac",
@@ -119,10 +115,6 @@ def make_row(env, section, numel, tensors, name, nbytes, t: measure.Timing, load
 # ---------------------------------------------------------------- output
 
 
-def fmt(value, spec: str) -> str:
-    return "–" if value == "" or value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def pass_table(rows: list[dict]) -> str:
     lines = ["| threads | pass | B/elem | ms median (p20–p80) | GB/s | % of a += b | timing | load avg | other cores |",
              "|---:|---|---:|---|---:|---:|---|---|---:|"]
@@ -139,30 +131,22 @@ def ms_cell(r) -> str:
     return f"{r['median_ms']:.1f} ({r['p20_ms']:.1f}–{r['p80_ms']:.1f})"
 
 
-def write(rows: list[dict], out: str, title: str, env: dict, stem: str, step_table=None) -> list[str]:
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, f"{stem}.csv"), os.path.join(out, f"{stem}.md")]
-    with open(paths[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    with open(paths[1], "w") as f:
-        f.write(markdown(rows, title, env, step_table) + "\n")
-    return paths
-
-
-def markdown(rows: list[dict], title: str, env: dict, step_table=None) -> str:
-    parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
-             f"- versions: torch {env['torch']}, ampfused {env['ampfused']}",
-             f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, benchmarks/streaming.py "
-             "[note: CPU-time clock])", ""]
+def markdown(rows: list[dict], title: str, env: dict) -> str:
+    """The pass rows' table under a header naming the machine (the ``passes`` sweep's ``passes.md``)."""
     passes = [r for r in rows if r["section"] == "passes"]
-    steps = [r for r in rows if r["section"] == "steps"]
+    parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
+             f"- versions: torch {env['torch']}, ampfused {env['ampfused']}", ""]
     if passes:
         parts += [f"## Passes at {human(passes[0]['numel'])} fp32 elements in {passes[0]['tensors']} tensors", "",
                   pass_table(passes), ""]
-    if steps and step_table is not None:
-        parts += [f"## Steps at {human(steps[0]['numel'])} params in {steps[0]['tensors']} tensors, fresh gradients "
-                  "each step", "", step_table(steps), ""]
     return "\n".join(parts)
+
+
+def write(rows: list[dict], out: str, stem: str, text: str) -> list[str]:
+    """``<stem>.csv`` (every row) and ``<stem>.md`` (``text``) in ``out``."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{stem}.csv"), os.path.join(out, f"{stem}.md")]
+    write_csv(rows, paths[0], COLUMNS)
+    with open(paths[1], "w") as f:
+        f.write(text + "\n")
+    return paths

@@ -27,14 +27,6 @@ def _providers(rows):
     return list(dict.fromkeys(r["provider"] for r in rows))
 
 
-def _color(name):
-    return COLORS.get(name)
-
-
-def _tick(config: str) -> str:
-    return config.replace("-", "\n")
-
-
 def _log_ticks(ax, axis="y"):
     """Plain numbers (0.5, 1, 2, 5, 10) on a log axis, not 2×10⁰."""
     target = ax.yaxis if axis == "y" else ax.xaxis
@@ -67,11 +59,11 @@ def _bars(ax, groups, names, value, err, dagger, log=True):
             lo.append(max(y - a, 0))
             hi.append(max(b - y, 0))
             marks.append(dagger(group, name))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=_color(name), error_kw={"linewidth": 0.8})
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=COLORS.get(name), error_kw={"linewidth": 0.8})
         for x, y, mark in zip(xs, ys, marks):
             if mark:
                 ax.annotate("†", (x, y), xytext=(4, 1), textcoords="offset points", ha="left", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(groups)), [_tick(g) for g in groups], fontsize=7.5)
+    ax.set_xticks(range(len(groups)), [g.replace("-", "\n") for g in groups], fontsize=7.5)
     if log:
         ax.set_yscale("log")
         _log_ticks(ax)
@@ -128,7 +120,7 @@ def plot_size(rows, path) -> bool:
             ys = [r["gbps"] for _, r in pts]
             lo = [r["gbps"] - r["bytes_per_step"] / (r["p80_ms"] * 1e6) for _, r in pts]
             hi = [r["bytes_per_step"] / (r["p20_ms"] * 1e6) - r["gbps"] for _, r in pts]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", markersize=4, capsize=2, label=name, color=_color(name))
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", markersize=4, capsize=2, label=name, color=COLORS.get(name))
         copy = sorted({(r["numel"], r["roofline_gbps"]) for r in part if r["provider"] == "torch-fused" and r["roofline_gbps"] != ""})
         if copy:
             ax.plot(*zip(*copy), linestyle="--", color="black", label="device stream a += b, torch-fused's bytes (roofline)")
@@ -179,10 +171,10 @@ def plot_host(rows, path) -> bool:
             xs = [n for n, _ in pts]
             left.errorbar(xs, [r["median_ms"] for _, r in pts],
                           yerr=[[r["median_ms"] - r["p20_ms"] for _, r in pts], [r["p80_ms"] - r["median_ms"] for _, r in pts]],
-                          linestyle=style, marker="o", markersize=4, capsize=2, color=_color(name), label=label)
+                          linestyle=style, marker="o", markersize=4, capsize=2, color=COLORS.get(name), label=label)
             ratio = [(n, r["host_ratio_vs_torch_fused"]) for n, r in pts if r["host_ratio_vs_torch_fused"] != ""]
             if ratio:
-                right.plot(*zip(*ratio), linestyle=style, marker="o", markersize=4, color=_color(name), label=label)
+                right.plot(*zip(*ratio), linestyle=style, marker="o", markersize=4, color=COLORS.get(name), label=label)
     left.set(xscale="log", yscale="log", xlabel="tensors (16 elements each)", ylabel="host ms per step (log scale)",
              title="host time of step() + update()")
     right.axhline(1.0, color="black", linewidth=1)

@@ -1,14 +1,8 @@
 """The implementations being compared, each wrapping one training-step tail behind ``step()``: everything
 between the end of the last ``backward()`` of an optimizer step and the next forward, plus folding
-each micro-batch's gradient for low-precision params. What each provider's ``step()`` contains,
-and the bytes model of :func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics").
-
-[note: synthesized gradients] Gradients are fixed, seeded tensors made once per case (scaled by the
-loss scale where a scaler is on). Low-precision micro-batch grads are only read, so every step sees
-the same inputs. fp32 grads are modified in place by the stock path (unscale_, clip): the timed
-loop does not restore them (backward would write fresh ones; restoring would add a copy to the
-stock time only), so during timing they shrink towards zero -- the same instructions run, and
-denormals are flushed on CPU. The correctness gate restores them before every gated step.
+each micro-batch's gradient for low-precision params. What each ``step()`` contains, the synthesized
+gradients (not restored while timed, restored before every gated step) and the bytes model of
+:func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics").
 """
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ def memory_mode(provider: str) -> str | None:
 
 
 class FreshGrads:
-    """[note: fresh grads] SETS copies of the case's fp32 gradients, handed over in turn at the start
+    """SETS copies of the case's fp32 gradients, handed over in turn at the start
     of every step: each step gets new grad tensors at addresses unseen for SETS - 1 steps (more than
     any table cache keeps), as zero_grad(set_to_none=True) + backward give. The hand-over (one
     ``p.grad =`` per param) is inside the timed step, for stock and ampfused alike."""
@@ -88,7 +82,14 @@ class Provider:
         raise NotImplementedError
 
     def restore_grads(self) -> None:
-        """Put back the gradients backward would have produced (only needed where step() modifies them)."""
+        """Put back the gradients backward would have produced (the gate's steps; step() modifies them)."""
+        if self.fresh is not None:
+            self.fresh.restore(self.data.grads[0])
+        elif not self.config.low_precision:
+            torch._foreach_copy_(self._grads(), self.data.grads[0])  # the fp32 grads step() reads
+
+    def _state(self) -> list[Tensor]:
+        return [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
 
     def results(self) -> dict[str, list[Tensor]]:
         """{"master": fp32 weights, "param": model params} after the steps run so far."""
@@ -125,11 +126,8 @@ class StockAdamW(Provider):
                                            enabled=cfg.loss_scaling)
         _init_scale(self.scaler, device)
 
-    def restore_grads(self) -> None:
-        if self.fresh is not None:
-            self.fresh.restore(self.data.grads[0])
-        elif not self.config.low_precision:
-            torch._foreach_copy_(self.master_grads, self.data.grads[0])
+    def _grads(self):
+        return self.master_grads
 
     def step(self) -> None:
         if self.fresh is not None:
@@ -149,8 +147,7 @@ class StockAdamW(Provider):
         return {"master": [m.detach() for m in self.masters], "param": [p.detach() for p in self.params]}
 
     def state_bytes(self) -> int:
-        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
-        return measure.storage_bytes([*self.params, *self.masters, *self.master_grads, *state])
+        return measure.storage_bytes([*self.params, *self.masters, *self.master_grads, *self._state()])
 
 
 class AmpfusedAdamW(Provider):
@@ -171,18 +168,15 @@ class AmpfusedAdamW(Provider):
             for p, g in zip(self.params, data.grads[0]):
                 p.grad = g.clone()
         self.fresh = FreshGrads(data.grads[0]) if cfg.fresh_grads else None
-        # [note: hook path] the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
+        # the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
         # called as autograd calls them once a param's .grad is final.
         self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
         # and the C++ pre-hook on the AccumulateGrad node of CPU params (csrc/accumulate_hook.cpp),
         # which adds micro-batches 2..N with ampfused::accumulate where autograd would add in place
         self.pre_hooked = [self.opt.main_grads.has_cpu_hook(p) for p in self.params]
 
-    def restore_grads(self) -> None:
-        if self.fresh is not None:
-            self.fresh.restore(self.data.grads[0])
-        elif not self.config.low_precision:  # a scaled step wrote the unscaled gradient into p.grad
-            torch._foreach_copy_([p.grad for p in self.params], self.data.grads[0])
+    def _grads(self):  # (a scaled step wrote the unscaled gradient into p.grad)
+        return [p.grad for p in self.params]
 
     def step(self) -> None:
         if self.fresh is not None:
@@ -212,10 +206,9 @@ class AmpfusedAdamW(Provider):
         return {"master": masters, "param": [p.detach() for p in self.params]}
 
     def state_bytes(self) -> int:
-        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
         grads = [p.grad for p in self.params if p.grad is not None]
         main_grads = [p.main_grad for p in self.params if getattr(p, "main_grad", None) is not None]
-        return measure.storage_bytes([*self.params, *grads, *main_grads, *state])
+        return measure.storage_bytes([*self.params, *grads, *main_grads, *self._state()])
 
 
 def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provider:

@@ -59,15 +59,15 @@ def add_derived(rows: list[dict]) -> None:
 # ---------------------------------------------------------------- CSV and markdown
 
 
-def write_csv(rows: list[dict], path: str) -> None:
+def write_csv(rows: list[dict], path: str, columns: list[str] = COLUMNS) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for r in rows:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def _fmt(value, spec: str, default: str = "–") -> str:
+def fmt(value, spec: str, default: str = "–") -> str:
     if value == "" or value is None or (isinstance(value, float) and math.isnan(value)):
         return default
     return format(value, spec)
@@ -95,12 +95,12 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         ok = r["status"] == "ok"
-        roof = _fmt(r["roofline_frac"] * 100 if r["roofline_frac"] != "" else "", ".0f")
+        roof = fmt(r["roofline_frac"] * 100 if r["roofline_frac"] != "" else "", ".0f")
         lines.append(
             f"| {r['case']} | {r['provider']} | {_ms(r) if ok else '–'} | {r['samples'] if ok else '–'} | "
-            f"{_timing(r) if ok else '–'} | {r['bytes_per_param']:g} | {_fmt(r['gbps'], '.1f')} | {roof} | "
-            f"{_fmt(r['speedup_vs_torch_foreach'], '.2f')} | {_fmt(r['speedup_vs_torch_fused'], '.2f')} | "
-            f"{_fmt(r['state_mb'], '.0f')} | {_fmt(r['kept_bytes_per_param'], '.2f')} | {_fmt(r['peak_mem_mb'], '.0f')} | {_fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
+            f"{_timing(r) if ok else '–'} | {r['bytes_per_param']:g} | {fmt(r['gbps'], '.1f')} | {roof} | "
+            f"{fmt(r['speedup_vs_torch_foreach'], '.2f')} | {fmt(r['speedup_vs_torch_fused'], '.2f')} | "
+            f"{fmt(r['state_mb'], '.0f')} | {fmt(r['kept_bytes_per_param'], '.2f')} | {fmt(r['peak_mem_mb'], '.0f')} | {fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
     return "\n".join(lines)
 
 
@@ -112,8 +112,8 @@ def host_table(rows: list[dict]) -> str:
     for r in rows:
         ok = r["status"] == "ok"
         lines.append(f"| {r['case']} | {r['provider']} | {_ms(r) if ok else '–'} | {r['samples'] if ok else '–'} | "
-                     f"{_timing(r) if ok else '–'} | {_fmt(r['host_ratio_vs_torch_fused'], '.2f')} | "
-                     f"{_fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
+                     f"{_timing(r) if ok else '–'} | {fmt(r['host_ratio_vs_torch_fused'], '.2f')} | "
+                     f"{fmt(r['other_cores'], '.2f')} | {_gate(r)} |")
     return "\n".join(lines)
 
 

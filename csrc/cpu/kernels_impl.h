@@ -2,7 +2,7 @@
 // AMPFUSED_ISA; everything here lands in namespace ampfused::cpu::AMPFUSED_ISA so variants
 // compiled for different ISAs never share a symbol.
 //
-// [note: auto-vectorization] Each loop body is branch-free per element (selects only), reads and
+// Each loop body is branch-free per element (selects only), reads and
 // writes through __restrict pointers, and keeps its dtype/master/amsgrad decisions as template
 // parameters, so GCC/Clang vectorize it at -O3. sqrt vectorizes only with -fno-math-errno, which
 // build_extension.py passes. Reductions keep 16 float lanes by hand: the compiler may not reorder
@@ -88,18 +88,17 @@ void accumulate(float* dst, const void* src, int32_t src_dtype, int64_t n) {
   }
 }
 
-// [note: non-finite lanes] `d += u - u` is 0 for every finite u and NaN from the first inf/NaN on,
+// `d += u - u` is 0 for every finite u and NaN from the first inf/NaN on,
 // so the flag costs one subtract and add per element. The identity holds because build_extension.py
 // compiles every CPU file with -ffp-contract=off (no fma can absorb the product into u - u: see
 // [note: explicit finiteness] in adamw_math.h for what happens otherwise); the GPU kernels test the
 // exponent bits instead.
 //
-// [note: one read of each block] The sum of squares and the flag are taken in the same loop, on the
+// The sum of squares and the flag are taken in the same loop, on the
 // 16 lanes as native vectors (Vec: one zmm, two ymm or four xmm): each element is loaded once,
-// and the pass streams at the speed of a plain read (torch.sum's). With the lanes as two float[16]
-// arrays GCC 12 transposed them per vector (4.5x slower), so the flag had its own second loop over
-// the block, which re-read it from L1 and cost ~10% of the pass. The sums are the same: lane k
-// still adds elements k, k+16, ... of the block in order.
+// and the pass streams at the speed of a plain read (torch.sum's). As plain float[16] arrays GCC
+// transposes the lanes per vector, and a separate flag loop re-reads the block
+// (docs/results/cpu-loops.md). Lane k adds elements k, k+16, ... of the block in order.
 constexpr int kLanes = 16;
 constexpr int64_t kSumBlock = 2048;  // float partials stay short; blocks are summed in double
 #if !defined(AMPFUSED_VECTOR_BYTES)

@@ -1,7 +1,7 @@
 // CPU implementations of the ampfused ops: argument checks, work split, at::parallel_for, and
 // the choice of the ISA variant of the hot loops (cpu_kernels.h).
 //
-// [note: deterministic stats] The stats pass cuts the gradients into fixed ranges, sums each
+// The stats pass cuts the gradients into fixed ranges, sums each
 // range into its own double slot and adds the slots in order, so the result does not depend on the
 // number of threads.
 //
@@ -12,8 +12,8 @@
 // microseconds, but where other processes keep the cores busy a thread of the team that is not
 // running holds the barrier until the scheduler runs it again, a tick of milliseconds, whatever the
 // work. kGrain is ATen's own internal GRAIN_SIZE (32768 elements, below which its elementwise
-// kernels run inline): at that size a step is ~0.1 ms of work on one thread and a second thread
-// saved nothing measurable (docs/results/cpu-busy.md, which also shows what a region costs above it).
+// kernels run inline): below it a second thread saved nothing measurable (docs/results/cpu-busy.md,
+// which also shows what a region costs above it).
 // ATen's region always takes its whole team (ParallelOpenMP.h: no num_threads clause), so tasks
 // beyond the work only bound how many threads do any of it.
 #include <ATen/Parallel.h>
@@ -67,7 +67,7 @@ void run_ranges(int64_t count, int64_t total, const Elements& elements, const Bo
   });
 }
 
-// [note: choosing the ISA] The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
+// The widest variant the CPU supports, capped by ATEN_CPU_CAPABILITY
 // (default|avx2|avx512) as ATen's own kernels are; on AMD family 19h (Zen 3, Zen 4), whose divider
 // is fast, it is the variant's -div twin ([note: division by a constant]). AMPFUSED_CPU_ISA=base|
 // avx2|avx2-div|avx512|avx512-div overrides the choice, for tests and the bench (an AVX-512 machine
@@ -109,7 +109,7 @@ const IsaKernels* choose() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  // the divider on AMD family 19h (measured on Zen 4, with both builds); Zen 5 is unmeasured
+  // the divider on AMD family 19h, where it is faster (docs/results/cpu-loops.md)
   const std::string& forced = req.forced;
   const bool divide = forced.empty() ? __builtin_cpu_is("amdfam19h") > 0
                                      : forced.size() > 4 && forced.compare(forced.size() - 4, 4, "-div") == 0;

@@ -3,7 +3,7 @@
 // compact update variant sends a chunk here when contract.h's is_compact says so: compact and fp32
 // tensors share the one update launch.
 //
-// [note: a warp per scale block] A warp takes 256 consecutive elements at a time, one int8 scale
+// A warp takes 256 consecutive elements at a time, one int8 scale
 // block (chunks start on multiples of 256 within a tensor), and each lane 4 of them at 4*lane and 4
 // at 128 + 4*lane, so each load of the warp reads one contiguous run. The new scale of an int8
 // block is the maximum of its new magnitudes, reduced over the warp with shuffles (NaN wins, as the
@@ -269,13 +269,12 @@ struct Part {
 // store, so a warp has its whole group in flight at once; the pointers may alias as far as the
 // compiler knows, so it keeps the source order, which is what puts the loads first
 // (tests/contract/sm90_compile.py checks the SASS). That holds both parts' working sets, and for
-// int8 moments the group's new moments wait in registers for their scales: both compact variants
-// take ~125-128 registers, one block of 512 per SM, with 2x (compact) / 1.3x (int8) the bytes in
-// flight per SM that HBM needs by Little's law (docs/results/sm90-kernels.md). Stepping the parts
-// one after the other, the compact variant also took ~128 (the global-space stores no longer alias
-// the shared record, so its fields stay in registers) with half the bytes in flight; held to 64
-// registers (two blocks), it spilled ~500 B inside the loop. The record and the scalars are the
-// kernel's shared copies: the loop reads the few fields the compiler does not keep (LDS).
+// int8 moments the group's new moments wait in registers for their scales: one block of 512 per
+// SM, with more bytes in flight per SM than HBM needs by Little's law (docs/results/sm90-kernels.md).
+// Stepping the parts one after the other halves the bytes in flight for no fewer registers, and a
+// cap of two blocks per SM spills inside the loop (docs/results/cuda-compact-registers.md). The
+// record and the scalars are the kernel's shared copies: the loop reads the few fields the
+// compiler does not keep (LDS).
 template <bool INT8>
 __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s,
                                              float factor, bool write_grad, float unscale, uint64_t seed) {

@@ -2,7 +2,7 @@
 // knows chunk sizes and launch limits. Plain C++ (no torch headers): included by passes.cu and by
 // ops_cuda.cpp, which builds the tables.
 //
-// [note: multi-tensor tables] Unlike torch's MultiTensorApply, which packs at most ~110 pointers
+// Unlike torch's MultiTensorApply, which packs at most ~110 pointers
 // into each launch's kernel arguments and launches again for the rest, every pass here reads one
 // device table (tensor entries, then chunk entries) and launches once whatever the number of
 // tensors. ops_cuda.cpp builds a table once per distinct set of pointers and reuses it while the
@@ -23,7 +23,7 @@ namespace cuda {
 
 constexpr int kBlockSize = 512;
 constexpr int64_t kChunkSize = 65536;  // elements per chunk; a multiple of 4 * kBlockSize
-// [note: occupancy] The grid is SMs x the blocks per SM that cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// The grid is SMs x the blocks per SM that cudaOccupancyMaxActiveBlocksPerMultiprocessor
 // reports for each kernel (registers decide it), at most kMaxGrid blocks: one wave, all resident.
 constexpr int kMaxGrid = kScratchBlocks;  // contract.h: the scratch has partials for this many blocks
 constexpr int kInlineGroups = 24;  // param groups passed by value; more go through a device table

@@ -1,7 +1,7 @@
 // CUDA implementations of the ampfused ops: argument checks, the cached device tables of
 // multi_tensor.h, and the launches (passes.cu). Host code only; compiled by the host compiler.
 //
-// [note: table cache] Each pass has two cached tables: the chunk layout (and its grid),
+// Each pass has two cached tables: the chunk layout (and its grid),
 // keyed by the element counts only, and the tensor entries, keyed by every pointer, size, dtype
 // and group index they encode. A new address (autograd allocating p.grad elsewhere) therefore
 // uploads O(tensors) bytes of entries and never rebuilds the layout (~820k chunks at 7B). A few
@@ -10,7 +10,7 @@
 // stream: nothing synchronizes, and the copy can be captured in a CUDA graph (the pinned buffer
 // lives as long as the table).
 //
-// [note: tables and CUDA graphs] A captured graph bakes a table's device addresses into its
+// Tables and CUDA graphs: a captured graph bakes a table's device addresses into its
 // launches, so a table used during capture moves out of the small LRU into a list that is never
 // freed. A table *built* during capture holds nothing until the graph first replays (its upload
 // and counter reset are only recorded), so eager calls never get it: they build their own.
@@ -113,7 +113,7 @@ std::shared_ptr<Table> build_layout(std::vector<int64_t> key, const std::vector<
 }
 
 // The cached table for `key`, built by `build` on a miss (most recently used first).
-// See [note: tables and CUDA graphs].
+// Capture pins a table: see "Tables and CUDA graphs" at the top of this file.
 template <typename Build>
 std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build) {
   static std::mutex mu;
@@ -147,7 +147,7 @@ std::shared_ptr<Table> cached_table(const std::vector<int64_t>& key, Build build
   return fresh;
 }
 
-// [note: step temporaries and CUDA graphs] A step allocates temporaries only in rare cases (more
+// A step allocates temporaries only in rare cases (more
 // than kInlineGroups groups: a pinned buffer and its device copy; an lr tensor on another GPU or of
 // an integer dtype: its fp32 copy). Eagerly, the caching allocators keep them until the stream is
 // done with them. A captured graph replays the copy and the kernel reading them later, so

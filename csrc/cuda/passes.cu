@@ -2,7 +2,7 @@
 // only the CUDA runtime and ampfused's own headers, no ATen, so this file compiles in seconds per
 // architecture.
 //
-// [note: one launch, finished on the device] The stats and update kernels each run once over the
+// The stats and update kernels each run once over the
 // whole table. Whatever must happen after every block is done (adding the per-block partial sums
 // in a fixed order; advancing the step counters after every block has read them) is done by the
 // last block to finish, found with a device counter (threadfence + atomicAdd), so nothing returns
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kBlockSize, VARIANT == kUpdatePlain ? 2 : 1)
 
 // ------------------------------------------------------------------------------------- stats
 
-// [note: non-finite lanes] `bad` counts the inf/NaN u by their exponent bits (is_finite_f32), an
+// `bad` counts the inf/NaN u by their exponent bits (is_finite_f32), an
 // integer test: nothing a compiler contracts. u itself is __fmul_rn (never fused), as torch's.
 template <typename G>
 __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, float inv, float& acc, float& bad) {
@@ -225,7 +225,7 @@ __device__ void chunk_sumsq(const StatsEntry& t, int64_t begin, int64_t end, flo
   if (t.aligned) {
     const int64_t n4 = (end - begin) / 4;
     int64_t k = threadIdx.x;
-    // [note: stats ILP] kStatsUnroll 16-byte loads in flight a thread, issued before any math; the
+    // kStatsUnroll 16-byte loads in flight a thread, issued before any math; the
     // sums take the elements in the order of the plain loop below, so the result is the same.
     for (; k + (kStatsUnroll - 1) * blockDim.x < n4; k += kStatsUnroll * blockDim.x) {
       float x[kStatsUnroll][4];
