@@ -286,7 +286,7 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         end = tl.minimum(start + CHUNK, tl.load(row + U_NUMEL))
         if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
             key = tl.program_id(0).to(tl.uint32) * 0
-            if SR:  # [note: random bits] in _compact_state
+            if SR:  # [note: rounding bits] in ampfused/_contract.py
                 key = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), start)
             master_kind = tl.load(row + U_MASTER_KIND)
             compact_args = (master_kind, tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
