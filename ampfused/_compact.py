@@ -36,8 +36,9 @@ same bits on every backend, at the price of the ``ulp/256`` band next to the cla
 (``Tensor.to(torch.bfloat16)``), or stochastically from 16 uniform random bits ``r``:
 ``SR16(u, r) = (u + r) >> 16``, unbiased (``E[SR] = x``); it never rounds a finite value to
 ``inf`` unless RNE does (it truncates to the largest finite bf16 instead), and NaN stays a quiet NaN.
-The bits come from ``torch.randint`` on the tensor's device (an explicit ``generator`` or torch's
-default one), so ``torch.manual_seed`` reproduces a run.
+The bits come from one counter-based hash of (seed, tensor index, element index), the same on
+every backend (:func:`random_words`, [note: rounding bits] in ``_contract.py``); a step's seed is
+drawn on the host from torch's generator, so ``torch.manual_seed`` reproduces a run.
 
 **int8 moments** (``state_dtype="int8"``): blocks of ``BLOCK = 256`` consecutive elements (row-major
 order), an fp32 scale per block, and a float-like 8-bit code of ``y = x / scale`` -- a piecewise
@@ -84,15 +85,17 @@ import torch
 from torch import Tensor
 
 from ._contract import INT8_BLOCK as BLOCK
-from ._contract import SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE
+from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
+                        SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, encoding_for,
+                        is_dense, moment_encoding)
 
 __all__ = [
-    "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "quantize",
-    "dequantize", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
+    "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "stochastic_round_bf16",
+    "random_words", "element_index", "draw_rounding_seed", "quantize", "dequantize", "adamw_math", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
 ]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEYS = {"fp32": "master_param", "split16": "master_low16", "split8": "master_residual8"}
+MASTER_KEYS = {mode: key for mode, (_, _, key) in MASTER_ENCODINGS.items()}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 _EXPONENT_BIAS = {torch.bfloat16: 127, torch.float16: 15}
 
@@ -195,12 +198,13 @@ def join8(param: Tensor, residual: Tensor) -> Tensor:
 # ------------------------------------------------------------------ bf16 rounding
 
 def round_bf16(x: Tensor, stochastic: bool = False, generator: torch.Generator | None = None) -> Tensor:
-    """fp32 -> bf16, RNE or stochastic (16 random bits per element from ``generator`` or torch's default)."""
+    """fp32 -> bf16, RNE or stochastic: the low 16 bits of word 0 of :func:`random_words` (tensor
+    index 0) under a seed drawn from ``generator`` (or torch's default one)."""
     u = _bits(x)
     if not stochastic:
         return _from_bits16(_rne16_bits(u), torch.bfloat16).view(x.shape)
-    rand = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int64)
-    return _from_bits16(_sr16_bits(u, rand), torch.bfloat16).view(x.shape)
+    word0, _ = random_words(draw_rounding_seed(generator, x.device), 0, element_index(x))
+    return _from_bits16(_sr16_bits(u, word0 & 0xFFFF), torch.bfloat16).view(x.shape)
 
 
 def _sr16_bits(u: Tensor, rand: Tensor) -> Tensor:
@@ -214,6 +218,58 @@ def _sr16_bits(u: Tensor, rand: Tensor) -> Tensor:
 def stochastic_round_bf16(x: Tensor, rand: Tensor) -> Tensor:
     """fp32 -> bf16 rounded with the given 16-bit random values (int, [0, 65535], ``x``'s shape)."""
     return _from_bits16(_sr16_bits(_bits(x), rand.to(torch.int64).reshape(x.shape)), torch.bfloat16).view(x.shape)
+
+
+# ------------------------------------------------------------------ the random bits
+
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(x, m: int):
+    """``x * m mod 2^32`` of uint32 values held in int64 (tensors or ints), in 16-bit halves of ``m``
+    so that no product overflows int64."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def _mix32(x):
+    """lowbias32, the bijective 32-bit avalanche of the rounding hash ([note: rounding bits])."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, SR_MIX_MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, SR_MIX_MUL2)
+    return x ^ (x >> 15)
+
+
+def random_words(seed: int, index: int, elements: Tensor) -> tuple[Tensor, Tensor]:
+    """The two 32-bit random words (int64 in [0, 2^32)) of ``elements`` (int64 element indices) of
+    the tensor at ``index`` in a step's full lists: the one stochastic-rounding hash, [note:
+    rounding bits] in ``_contract.py`` (the kernels compute it bit for bit)."""
+    word = (1 << ROUNDING_SEED_BITS) - 1
+    key = _mix32((index + SR_KEY_SALT) & _U32)
+    key = _mix32(key ^ (seed & word))
+    key = _mix32(key ^ ((seed >> ROUNDING_SEED_BITS) & word))
+    y = _mix32((elements & _U32) ^ _mix32(key ^ (elements >> 32)))
+    return _mix32(y ^ SR_WORD0_SALT), _mix32(y ^ SR_WORD1_SALT)
+
+
+def element_index(t: Tensor) -> Tensor:
+    """The index of each element of ``t`` (int64, ``t``'s shape) as the kernels count it: its offset
+    in ``t``'s memory for a dense tensor, its row-major position otherwise (which only the
+    reference passes serve)."""
+    k = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
+    if t.is_contiguous() or not is_dense(t):
+        return k.view(t.shape)
+    return k.as_strided(t.shape, t.stride())
+
+
+def draw_rounding_seed(generator: torch.Generator | None = None, device="cpu") -> int:
+    """A rounding seed (the hash takes its low ``2 * ROUNDING_SEED_BITS`` bits) from ``generator``
+    (on ``device``) or torch's default CPU generator."""
+    if generator is not None:
+        device = generator.device
+    elif torch.device(device).type != "cpu":
+        device = "cpu"  # torch's default CPU generator: no device sync
+    return int(torch.randint(1 << (2 * ROUNDING_SEED_BITS), (1,), generator=generator, device=device).item())
 
 
 # ------------------------------------------------------------------ int8 blockwise moments
@@ -283,7 +339,7 @@ def is_compact_key(key: str) -> bool:
 
 
 def _master_mode(param: Tensor, state: dict) -> str:
-    for mode, key in MASTER_KEYS.items():
+    for mode, (_, _, key) in MASTER_ENCODINGS.items():
         if key in state:
             return mode
     return "none" if param.dtype in _MANTISSA_BITS else "fp32"
@@ -298,12 +354,13 @@ def _check_modes(param: Tensor, master_weights: str, state_dtype) -> None:
         raise TypeError(f'master_weights="split16" needs bf16 params (the low half completes a bf16 param), got {param.dtype}')
 
 
-def _encode_moment(state: dict, key: str, value: Tensor, state_dtype, stochastic: bool, generator) -> None:
-    """Store the fp32 moment ``value`` under ``key`` in the encoding ``state_dtype`` asks for."""
-    if state_dtype == "int8" and value.numel() >= SMALL_TENSOR_NUMEL:
+def _encode_moment(state: dict, key: str, value: Tensor, mode: str, rand16: Tensor | None = None) -> None:
+    """Store the fp32 moment ``value`` under ``key`` in moment mode ``mode`` (``_contract.MOMENT_ENCODINGS``;
+    bf16: stochastically with the 16-bit ``rand16``, or RNE without)."""
+    if mode == "int8":
         state[key + "_codes"], state[key + "_scales"] = quantize(value, "signed" if key == "exp_avg" else "sqrt")
-    elif state_dtype == torch.bfloat16:
-        state[key] = round_bf16(value, stochastic, generator)
+    elif mode == "bf16":
+        state[key] = round_bf16(value) if rand16 is None else stochastic_round_bf16(value, rand16)
     else:
         state[key] = value.to(torch.float32).clone()
 
@@ -354,15 +411,16 @@ def encode_state(param: Tensor, fp32_state: dict, master_weights: str = "fp32", 
     params only. In the split modes the param is set to ``RNE(master)`` in place (a no-op for
     ampfused's fp32 mode, which keeps that invariant; a torch state has no master: ``param.float()``)."""
     _check_modes(param, master_weights, state_dtype)
+    master_mode, moment_mode = encoding_for(param, master_weights, state_dtype)  # [note: one encoding decision]
     state = {"step": fp32_state["step"].detach().to(device=param.device, dtype=torch.float32).clone()}
     for key in MOMENTS:
         if key in fp32_state:
-            _encode_moment(state, key, fp32_state[key].detach().float().to(param.device), state_dtype, False, None)
-    if param.dtype in _MANTISSA_BITS:
+            _encode_moment(state, key, fp32_state[key].detach().float().to(param.device), moment_mode)
+    if master_mode != "none":
         master = fp32_state.get("master_param")
         master = param.float() if master is None else master.detach().float().to(param.device)
-        p = _encode_master(state, param, master, master_weights)
-        if master_weights in ("split16", "split8"):
+        p = _encode_master(state, param, master, master_mode)
+        if master_mode in ("split16", "split8"):
             param.copy_(p)
     return state
 
@@ -382,20 +440,55 @@ def decode_state(state: dict, param: Tensor | None = None) -> dict:
 
 # ------------------------------------------------------------------ the step
 
+def adamw_math(w: Tensor, grad: Tensor, factor: Tensor | None, exp_avg: Tensor, exp_avg_sq: Tensor,
+               max_exp_avg_sq: Tensor | None, step: Tensor, *, lr, beta1: float, beta2: float, eps: float,
+               weight_decay: float, amsgrad: bool, maximize: bool):
+    """The one AdamW body of the specification, on decoded values (``w`` in its math dtype, the
+    moments in it too): ``(w, exp_avg, exp_avg_sq, max_exp_avg_sq or None, step)`` after one step,
+    new tensors, nothing written. torch.optim.AdamW's single-tensor operation order; the scalars
+    in float64 from the device step counter, as torch computes them in Python floats from its host
+    counter. ``reference.adamw_update_`` and :func:`compact_adamw_step_` decode, call this, and
+    commit (or encode)."""
+    g = grad.to(w.dtype)
+    if factor is not None:
+        g = g * factor
+    if maximize:
+        g = g.neg()
+    if isinstance(lr, Tensor):
+        lr = lr.to(device=w.device, dtype=torch.float64, non_blocking=True)
+    step_new = step + 1
+    bias_correction1 = 1 - torch.pow(beta1, step_new.double())
+    bias_correction2_sqrt = (1 - torch.pow(beta2, step_new.double())).sqrt()
+    step_size = lr / bias_correction1
+    w_new = w * (1 - lr * weight_decay)
+    m_new = exp_avg.lerp(g, 1 - beta1)
+    v_new = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
+    v_max_new = None
+    if amsgrad:
+        v_max_new = torch.maximum(max_exp_avg_sq, v_new)
+        denom = (v_max_new.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (v_new.sqrt() / bias_correction2_sqrt).add_(eps)
+    # torch's addcdiv_(m, denom, value=-step_size) computes (value * m) / denom, then adds
+    w_new.add_(m_new.mul(-step_size).div_(denom))
+    return w_new, m_new, v_new, v_max_new, step_new
+
+
 @torch.no_grad()
 def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: float, beta2: float, eps: float,
                         weight_decay: float, amsgrad: bool = False, maximize: bool = False, factor: Tensor | None = None,
                         skip: Tensor | None = None, stochastic_rounding: bool = False,
-                        generator: torch.Generator | None = None) -> None:
-    """One AdamW step of one tensor on compact state: decode -> fp32 AdamW -> encode.
+                        generator: torch.Generator | None = None, rounding_seed: int | None = None,
+                        rounding_index: int = 0) -> None:
+    """One AdamW step of one tensor on compact state: decode -> :func:`adamw_math` -> encode.
 
-    The fp32 math is ``ampfused.reference``'s (torch.optim.AdamW's single-tensor order), so with
-    ``split16`` masters and fp32 moments the result is the fp32-master step bit for bit (but for the
-    tie rule). ``factor`` (0-d fp32: clip coefficient / loss scale) multiplies the grad; when the
-    0-d ``skip`` is non-zero every buffer (param, master, moments, scales, step) keeps its bits.
+    With ``split16`` masters and fp32 moments the result is the fp32-master step bit for bit (but
+    for the tie rule). ``factor`` (0-d fp32: clip coefficient / loss scale) multiplies the grad; when
+    the 0-d ``skip`` is non-zero every buffer (param, master, moments, scales, step) keeps its bits.
     Modes are read from the state's keys (see the module docstring). ``stochastic_rounding`` rounds
-    the bf16 writes without an exact master (bf16 moments, a bf16 param without master) with random
-    bits drawn in this order: exp_avg, exp_avg_sq, max_exp_avg_sq, param.
+    the bf16 writes without an exact master (bf16 moments, a bf16 param without master) with the
+    bits of :func:`random_words` for ``rounding_seed`` (drawn from ``generator``, or torch's default
+    one, when None) and ``rounding_index``, the tensor's position in the step's full lists.
     """
     keep = torch.zeros((), dtype=torch.bool, device=param.device) if skip is None else (skip != 0)
     mode = _master_mode(param, state)
@@ -404,48 +497,29 @@ def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: 
     max_exp_avg_sq = _decode_moment(state, "max_exp_avg_sq") if amsgrad else None
     if amsgrad and max_exp_avg_sq is None:
         raise ValueError("amsgrad is set but the state has no max_exp_avg_sq")
-    g = grad.to(torch.float32)
-    if factor is not None:
-        g = g * factor
-    if maximize:
-        g = g.neg()
-    if isinstance(lr, Tensor):
-        lr = lr.to(device=param.device, dtype=torch.float64, non_blocking=True)
+    w_new, m_new, v_new, v_max_new, step_new = adamw_math(
+        w, grad, factor, exp_avg, exp_avg_sq, max_exp_avg_sq, state["step"], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
 
-    step = state["step"]
-    step_new = step + 1
-    bias_correction1 = 1 - torch.pow(beta1, step_new.double())
-    bias_correction2_sqrt = (1 - torch.pow(beta2, step_new.double())).sqrt()
-    step_size = lr / bias_correction1
-    w_new = w * (1 - lr * weight_decay)
-    m_new = exp_avg.lerp(g, 1 - beta1)
-    v_new = exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
-    if amsgrad:
-        v_max_new = torch.maximum(max_exp_avg_sq, v_new)
-        denom = (v_max_new.sqrt() / bias_correction2_sqrt).add_(eps)
-    else:
-        denom = (v_new.sqrt() / bias_correction2_sqrt).add_(eps)
-    w_new.add_(m_new.mul(-step_size).div_(denom))
-
+    # [note: rounding bits] word 0: exp_avg (low half), exp_avg_sq (high); word 1: max_exp_avg_sq, the param
+    rand = [None] * 4
+    if stochastic_rounding:
+        seed = draw_rounding_seed(generator, param.device) if rounding_seed is None else rounding_seed
+        word0, word1 = random_words(seed, rounding_index, element_index(param))
+        rand = [word0 & 0xFFFF, word0 >> 16, word1 & 0xFFFF, word1 >> 16]
     # Encode into a scratch dict, then commit every buffer with where(skip, old, new).
-    state_dtype = _state_dtype_of(state)
+    moment_mode = moment_encoding(state["exp_avg_codes"] if "exp_avg_codes" in state else state["exp_avg"])
     new = {"step": step_new}
-    _encode_moment(new, "exp_avg", m_new, state_dtype, stochastic_rounding, generator)
-    _encode_moment(new, "exp_avg_sq", v_new, state_dtype, stochastic_rounding, generator)
+    _encode_moment(new, "exp_avg", m_new, moment_mode, rand[0])
+    _encode_moment(new, "exp_avg_sq", v_new, moment_mode, rand[1])
     if amsgrad:
-        _encode_moment(new, "max_exp_avg_sq", v_max_new, state_dtype, stochastic_rounding, generator)
+        _encode_moment(new, "max_exp_avg_sq", v_max_new, moment_mode, rand[2])
     if param.dtype == torch.float32:
         p_new = w_new
     elif mode == "none" and param.dtype == torch.bfloat16:
-        p_new = round_bf16(w_new, stochastic_rounding, generator)
+        p_new = round_bf16(w_new) if rand[3] is None else stochastic_round_bf16(w_new, rand[3])
     else:
         p_new = _encode_master(new, param, w_new, mode)
     for key, value in new.items():
         state[key].copy_(torch.where(keep, state[key], value))
     param.copy_(torch.where(keep, param, p_new))
-
-
-def _state_dtype_of(state: dict):
-    if "exp_avg_codes" in state:
-        return "int8"
-    return torch.bfloat16 if state["exp_avg"].dtype == torch.bfloat16 else torch.float32

@@ -188,7 +188,7 @@ class CompiledBackend:
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                       stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                      rounding_seed: int | None = None) -> None:
+                      rounding_seed: int | None = None, rounding_index=None) -> None:
         # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 codes with
         # their block scales, three per tensor (an empty tensor for none), where the kernels serve them
         flat_scales = None
@@ -209,7 +209,7 @@ class CompiledBackend:
             list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
             [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
             self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
-            flat_scales)
+            flat_scales, None if rounding_index is None else [int(i) for i in rounding_index])
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 

@@ -73,16 +73,20 @@ SIGNED_ONE = 120
 SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
 SQRT_ONE = 240
 
-# The stochastic-rounding hashes' constants (csrc/compact_random.h, kernels/_compact_state.py).
-SR_GOLDEN64 = 0x9E3779B97F4A7C15        # splitmix64's increment (and the reference's seed multiplier)
-SR_SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
-SR_SPLITMIX_MUL2 = 0x94D049BB133111EB
-SR_MIX32_MUL1 = 0x7FEB352D              # the C++/CUDA 32-bit mixer
-SR_MIX32_MUL2 = 0x846CA68B
-SR_LOWBIAS32_MUL1 = 0x21F0AAAD          # the Triton 32-bit mixer ("lowbias32")
-SR_LOWBIAS32_MUL2 = 0x735A2D97
-SR_KEY_SALT = 0x3C6EF372                # Triton: the tensor index's salt in the per-program key
-SR_WORD0_SALT = 0x5BD1E995              # Triton: the salts of an element's two random words
+# [note: rounding bits] Stochastic rounding's one counter-based hash (ampfused/_compact.py
+# random_words is its specification; csrc/compact_random.h, kernels/_compact_state.py the same in
+# C++/CUDA and Triton), integer-only so every backend draws the same bits. mix is "lowbias32"
+# (C. Wellons' hash-prospector), a bijective 32-bit avalanche; the seed enters as two
+# ROUNDING_SEED_BITS-bit words (its low 62 bits: Triton takes them as int32 arguments):
+#   key  = mix(mix(mix(mix(index + SR_KEY_SALT) ^ seed_lo) ^ seed_hi) ^ (k >> 32))
+#   y    = mix((k & 0xFFFFFFFF) ^ key);  word0 = mix(y ^ SR_WORD0_SALT);  word1 = mix(y ^ SR_WORD1_SALT)
+# for element k (in the param's memory order) of the tensor at ``index`` in the step's full lists.
+# Low/high 16 bits of word0 round exp_avg / exp_avg_sq, those of word1 max_exp_avg_sq / the param.
+ROUNDING_SEED_BITS = 31
+SR_MIX_MUL1 = 0x21F0AAAD
+SR_MIX_MUL2 = 0x735A2D97
+SR_KEY_SALT = 0x3C6EF372     # the tensor index's salt in the key
+SR_WORD0_SALT = 0x5BD1E995   # the salts of an element's two random words
 SR_WORD1_SALT = 0x1B873593
 
 # name -> (C++ name, C++ type, C++ namespace under ampfused, or "") of every constant above
@@ -104,13 +108,71 @@ SHARED = {
     "INT8_BLOCK": ("kBlock", "int", "compact"), "SMALL_TENSOR_NUMEL": ("kSmallTensorNumel", "int64_t", "compact"),
     "SIGNED_MANT": ("kSignedMant", "int", "compact"), "SIGNED_ONE": ("kSignedOne", "int", "compact"),
     "SQRT_MANT": ("kSqrtMant", "int", "compact"), "SQRT_ONE": ("kSqrtOne", "int", "compact"),
-    "SR_GOLDEN64": ("kGolden64", "uint64_t", "compact"), "SR_SPLITMIX_MUL1": ("kSplitmixMul1", "uint64_t", "compact"),
-    "SR_SPLITMIX_MUL2": ("kSplitmixMul2", "uint64_t", "compact"), "SR_MIX32_MUL1": ("kMix32Mul1", "uint32_t", "compact"),
-    "SR_MIX32_MUL2": ("kMix32Mul2", "uint32_t", "compact"),
-    "SR_LOWBIAS32_MUL1": ("kLowbias32Mul1", "uint32_t", "compact"),
-    "SR_LOWBIAS32_MUL2": ("kLowbias32Mul2", "uint32_t", "compact"), "SR_KEY_SALT": ("kKeySalt", "uint32_t", "compact"),
+    "ROUNDING_SEED_BITS": ("kRoundingSeedBits", "int", "compact"), "SR_MIX_MUL1": ("kMixMul1", "uint32_t", "compact"),
+    "SR_MIX_MUL2": ("kMixMul2", "uint32_t", "compact"), "SR_KEY_SALT": ("kKeySalt", "uint32_t", "compact"),
     "SR_WORD0_SALT": ("kWord0Salt", "uint32_t", "compact"), "SR_WORD1_SALT": ("kWord1Salt", "uint32_t", "compact"),
 }
+
+# [note: one encoding decision] What a tensor's state is (DESIGN §9) is told by the dtypes of its
+# buffers, and decided by these tables and the functions below only: state creation
+# (``_state.state_keys``, ``_compact.encode_state``), state dicts, the reference passes, the
+# dispatcher (``functional.fallback_indices``) and the Triton rows (the tables are generated into
+# kernels/_contract_generated.py). The C++ op maps the same dtypes to the same codes in
+# csrc/ops_common.cpp (master_kind_of, moment_kind_of), where the ATen types live.
+MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key)
+    "fp32": (torch.float32, MASTER_F32, "master_param"),
+    "split16": (torch.int16, MASTER_SPLIT16, "master_low16"),
+    "split8": (torch.int8, MASTER_SPLIT8, "master_residual8"),
+}
+MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg_sq dtype), its MOMENT_ code)
+    "fp32": ((torch.float32, torch.float32), MOMENT_F32),
+    "bf16": ((torch.bfloat16, torch.bfloat16), MOMENT_BF16),
+    "int8": ((torch.int8, torch.uint8), MOMENT_INT8),
+}
+MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _) in MASTER_ENCODINGS.items()}
+MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
+
+
+def master_encoding(master: Tensor | None) -> str:
+    """A master buffer's mode: "none" without one, else "fp32", "split16" or "split8" by its dtype."""
+    if master is None:
+        return "none"
+    mode = MASTER_MODE_OF_DTYPE.get(master.dtype)
+    if mode is None:
+        raise TypeError(f"a master must be float32 (fp32 master), int16 (split16) or int8 (split8), got {master.dtype}")
+    return mode
+
+
+def moment_encoding(exp_avg: Tensor) -> str:
+    """A moment buffer's mode by its dtype: "bf16", "int8" (int8 / uint8 codes) or "fp32" (fp32, and
+    the wide params' own dtypes, which the reference passes step in their dtype)."""
+    return MOMENT_MODE_OF_DTYPE.get(exp_avg.dtype, "fp32")
+
+
+def compact_modes(param: Tensor, exp_avg: Tensor, master: Tensor | None, stochastic: bool) -> frozenset:
+    """The ``COMPACT_MODES`` names a tensor's step needs (empty: the plain fp32-state step)."""
+    needed = set()
+    master_mode, moment_mode = master_encoding(master), moment_encoding(exp_avg)
+    if master_mode in ("split16", "split8"):
+        needed.add(master_mode)
+    if moment_mode != "fp32":
+        needed.add(moment_mode)
+    if stochastic and (moment_mode == "bf16" or (master is None and param.dtype == torch.bfloat16)):
+        needed.add("sr")
+    return frozenset(needed)
+
+
+def encoding_for(param: Tensor, master_weights: str, state_dtype) -> tuple[str, str]:
+    """(master mode, moment mode) of a new state of ``param`` under the options (``master_weights``
+    "fp32" / "split16" / "split8" / "none", ``state_dtype`` torch.float32 / torch.bfloat16 / "int8"):
+    a master for 16-bit params only; int8 moments for tensors of ``SMALL_TENSOR_NUMEL`` elements or more."""
+    master = master_weights if param.dtype in (torch.float16, torch.bfloat16) else "none"
+    if isinstance(state_dtype, str) and state_dtype == "int8":
+        moments = "int8" if param.numel() >= SMALL_TENSOR_NUMEL else "fp32"
+    else:
+        moments = "bf16" if state_dtype is torch.bfloat16 else "fp32"
+    return master, moments
+
 
 # The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
 DTYPE_CODE = {torch.float32: DTYPE_F32, torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}
@@ -151,8 +213,8 @@ UPDATE_TENSOR = (
     Field("moment_kind", "int32_t", "a MOMENT_ code (all of the tensor's moments alike)"),
     Field("stochastic", "int32_t", "1: bf16 writes without an exact master round stochastically (Triton: a launch constexpr)",
           triton=False),
-    Field("index", "int32_t", "position in the op's lists: with the seed, it keys the random bits (Triton: the row)",
-          triton=False),
+    Field("index", "int32_t", "position in the step's full lists: with the seed, it keys the random bits "
+          "([note: rounding bits] in _contract.py)"),
 )
 
 # One param group of the update pass: the only per-group record (C++: by value in a CUDA launch's
@@ -268,7 +330,7 @@ class Backend(Protocol):
                       exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
                       masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper], stats: Tensor,
                       *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                      rounding_seed: int | None = None) -> None:
+                      rounding_seed: int | None = None, rounding_index: Sequence[int] | None = None) -> None:
         """One AdamW step over parallel per-tensor lists, in one launch.
 
         ``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param has no AMSGrad buffer /
@@ -287,12 +349,15 @@ class Backend(Protocol):
         memory order) come in ``moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
         max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
         ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
-        without an exact master (bf16 moments, bf16 params without master) stochastically, with bits
-        derived from (seed, i, element). A skipped step writes no buffer, compact ones included.
+        without an exact master (bf16 moments, bf16 params without master) stochastically, with the
+        bits of the one hash of (seed, ``rounding_index[i]``, element) ([note: rounding bits]), the
+        same on every backend. ``rounding_index[i]`` is tensor ``i``'s position in the step's full
+        lists (None: ``i``), so a tensor draws the same bits whichever share of a split step serves
+        it. A skipped step writes no buffer, compact ones included.
         A backend lists the encodings it serves in ``COMPACT_MODES`` (a subset of {"split16", "split8",
         "bf16", "int8", "sr"}; missing means none): ``functional.run_step`` hands the tensors whose
         encodings it lacks to ``ampfused.reference`` in the same step, and passes ``moment_scales`` /
-        ``rounding_seed`` to a backend only when its share needs them.
+        ``rounding_seed`` / ``rounding_index`` to a backend only when its share needs them.
         """
 
     def scaler_update_(self, found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,

@@ -25,13 +25,11 @@ from torch import Tensor
 
 from . import _compact, _dtensor
 from ._args import LOW_PRECISION
-from ._contract import KERNEL_DTYPES, is_dense
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for, is_dense
 
 ALIGN_BYTES = 128
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")  # the fp32 modes' (torch's) keys
 MOMENTS = _compact.MOMENTS
-MASTER_KEYS = {"master_param": torch.float32, "master_low16": torch.int16, "master_residual8": torch.int8}
-MASTER_DTYPES = {"fp32": torch.float32, "split16": torch.int16, "split8": torch.int8}
 
 
 def wide_indices(params: Sequence[Tensor]) -> list[int]:
@@ -86,16 +84,18 @@ def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.
     keys are fp32 vectors of ``ceil(numel / BLOCK)`` blocks, every other key has ``p``'s shape.
     """
     names = MOMENTS if amsgrad else MOMENTS[:2]
-    if moments == "int8" and p.numel() >= _compact.SMALL_TENSOR_NUMEL:
-        keys = {}
-        for name in names:
-            keys[name + "_codes"] = torch.int8 if name == "exp_avg" else torch.uint8
-            keys[name + "_scales"] = torch.float32
-    else:
-        dtype = torch.bfloat16 if moments is torch.bfloat16 else torch.float32
-        keys = dict.fromkeys(names, dtype)
-    if p.dtype in LOW_PRECISION and mode != "none":
-        keys[_compact.MASTER_KEYS[mode]] = MASTER_DTYPES[mode]
+    master_mode, moment_mode = encoding_for(p, mode, moments)  # [note: one encoding decision] in _contract
+    dtypes = MOMENT_ENCODINGS[moment_mode][0]
+    keys = {}
+    for name in names:
+        dtype = dtypes[0] if name == "exp_avg" else dtypes[1]
+        if moment_mode == "int8":
+            keys[name + "_codes"], keys[name + "_scales"] = dtype, torch.float32
+        else:
+            keys[name] = dtype
+    if master_mode != "none":
+        dtype, _, key = MASTER_ENCODINGS[master_mode]
+        keys[key] = dtype
     return keys
 
 
@@ -106,7 +106,7 @@ def moment_key(state: dict, name: str) -> str:
 
 def master_of(state: dict) -> Tensor | None:
     """The master tensor of a state (fp32, int16 low bits or int8 residual), None without master."""
-    for key in MASTER_KEYS:
+    for _, _, key in MASTER_ENCODINGS.values():
         if key in state:
             return state[key]
     return None

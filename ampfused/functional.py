@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import _backends, _dtensor, reference
+from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, finish_, is_dense
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, compact_modes, finish_, is_dense
 from ._state import wide_indices
 
 class Scratch:
@@ -211,18 +211,23 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
         wide = fallback_indices(backend, params, exp_avgs, masters, moment_scales, rounding_seed is not None)
     scales, wide_scales = moment_scales, moment_scales
+    index, wide_index = None, None  # each share's positions in these lists, which key the random bits
     if wide:  # [note: wide params] [note: compact fallback] the kernels' share, and the rest for the reference passes
         lists, wide_lists = _split(lists, wide)
+        wide_set = set(wide)
         if moment_scales is not None:
-            wide_set = set(wide)
             scales = [x for i, x in enumerate(moment_scales) if i not in wide_set]
             wide_scales = [moment_scales[i] for i in wide]
+        if rounding_seed is not None:  # [note: rounding bits] in _contract: a split changes no tensor's bits
+            index, wide_index = [i for i in range(len(params)) if i not in wide_set], list(wide)
     compact_kwargs = {}  # only what the backend's share needs: backends without compact modes never see these
     if scales is not None and lists[0] and any(x is not None for x in scales):
         compact_kwargs["moment_scales"] = scales
     if rounding_seed is not None and "sr" in getattr(backend, "COMPACT_MODES", ()):
         compact_kwargs["rounding_seed"] = rounding_seed
-    wide_kwargs = dict(moment_scales=wide_scales, rounding_seed=rounding_seed)
+        if index is not None:
+            compact_kwargs["rounding_index"] = index
+    wide_kwargs = dict(moment_scales=wide_scales, rounding_seed=rounding_seed, rounding_index=wide_index)
     if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
         stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
         if lists[0]:
@@ -256,20 +261,6 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
     return stats[NORM], stats[SKIP]
 
 
-def compact_modes_needed(param: Tensor, exp_avg: Tensor, master: Tensor | None, stochastic: bool) -> frozenset:
-    """The ``COMPACT_MODES`` names a tensor's step needs, told by the dtypes of its state (``_contract.Backend``)."""
-    needed = set()
-    if master is not None and master.dtype in (torch.int16, torch.int8):
-        needed.add("split16" if master.dtype == torch.int16 else "split8")
-    if exp_avg.dtype == torch.bfloat16:
-        needed.add("bf16")
-    elif exp_avg.dtype in (torch.int8, torch.uint8):
-        needed.add("int8")
-    if stochastic and ("bf16" in needed or (master is None and param.dtype == torch.bfloat16)):
-        needed.add("sr")
-    return frozenset(needed)
-
-
 def rounding_seed(device: torch.device) -> int:
     """The seed of one step's stochastic rounding ([note: rounding seed]): drawn on the host from
     torch's default CPU generator, so nothing syncs with the device and ``torch.manual_seed``
@@ -277,7 +268,7 @@ def rounding_seed(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("stochastic_rounding=True cannot be captured in a CUDA graph: every replay would reuse the "
                            "captured seed (the same random bits each step); capture with stochastic_rounding=False")
-    return int(torch.randint(1 << 62, (1,)).item())
+    return _compact.draw_rounding_seed()
 
 
 def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False) -> list[int]:
@@ -294,7 +285,7 @@ def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, sto
     served = getattr(backend, "COMPACT_MODES", frozenset())
     wide = set(wide_indices(params)) | {i for i, p in enumerate(params) if not is_dense(p)}
     for i, (p, m, master) in enumerate(zip(params, exp_avgs, masters)):
-        if i not in wide and not compact_modes_needed(p, m, master, stochastic) <= served:
+        if i not in wide and not compact_modes(p, m, master, stochastic) <= served:
             wide.add(i)
     return sorted(wide)
 

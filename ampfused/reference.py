@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _compact
-from ._contract import FACTOR, SKIP, SR_GOLDEN64, SUMSQ, finish_, inv_scale_of
+from ._contract import FACTOR, MASTER_ENCODINGS, SKIP, SUMSQ, compact_modes, finish_, inv_scale_of, master_encoding
 
 NAME = "reference"
 
@@ -55,7 +55,7 @@ COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every 
 
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                   stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                  rounding_seed: int | None = None) -> None:
+                  rounding_seed: int | None = None, rounding_index=None) -> None:
     """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed).
 
     Compact tensors (told by their dtypes, ``_contract.Backend``) step through
@@ -67,7 +67,8 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     for i in range(len(params)):
         scales = moment_scales[i] if moment_scales is not None else None
         if is_compact(params[i], exp_avgs[i], masters[i], scales, rounding_seed is not None):
-            _compact_one(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
+            index = i if rounding_index is None else rounding_index[i]  # [note: rounding bits] in _contract
+            _compact_one(index, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
                          scales, groups[group_ids[i]], factor, stats[SKIP], rounding_seed)
         else:
             _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
@@ -78,12 +79,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
 
 def is_compact(param: Tensor, exp_avg: Tensor, master: Tensor | None, scales, stochastic: bool) -> bool:
     """Whether a tensor's step needs an encoding of ``_compact`` (not the plain fp32-state step)."""
-    return (scales is not None or exp_avg.dtype in (torch.bfloat16, torch.int8, torch.uint8)
-            or (master is not None and not master.is_floating_point())
-            or (stochastic and master is None and param.dtype == torch.bfloat16))
-
-
-_MASTER_KEY_OF = {torch.float32: "master_param", torch.int16: "master_low16", torch.int8: "master_residual8"}
+    return scales is not None or bool(compact_modes(param, exp_avg, master, stochastic))
 
 
 def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, scales, h, factor, skip,
@@ -97,42 +93,19 @@ def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, mast
         else:
             state[name + "_codes"], state[name + "_scales"] = value, scales[n]
     if master is not None:
-        state[_MASTER_KEY_OF[master.dtype]] = master
-    generator = None
-    if rounding_seed is not None:  # [note: reference rounding bits] torch's generator, seeded per (step seed, tensor)
-        generator = torch.Generator(device=param.device)
-        generator.manual_seed((rounding_seed * SR_GOLDEN64 + i) % (1 << 63))
+        state[MASTER_ENCODINGS[master_encoding(master)][2]] = master
     _compact.compact_adamw_step_(param, grad, state, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                  weight_decay=h.weight_decay, amsgrad=h.amsgrad, maximize=h.maximize, factor=factor,
-                                 skip=skip, stochastic_rounding=rounding_seed is not None, generator=generator)
+                                 skip=skip, stochastic_rounding=rounding_seed is not None, rounding_seed=rounding_seed,
+                                 rounding_index=i)
 
 
 def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h, factor, keep) -> None:
+    """The fp32-state step: the spec's one AdamW body (``_compact.adamw_math``) on the weights in their math dtype."""
     weights = master if master is not None else param
-    w = weights.to(_math_dtype(weights.dtype))
-    g = grad.to(w.dtype) * factor
-    if h.maximize:
-        g = g.neg()
-    lr = h.lr.to(device=param.device, dtype=torch.float64, non_blocking=True) if isinstance(h.lr, Tensor) else h.lr
-
-    # Same operation order as torch.optim.AdamW; the scalars are computed in float64 from the
-    # device step counter, as torch computes them in Python floats from its host counter.
-    step_new = step + 1
-    bias_correction1 = 1 - torch.pow(h.beta1, step_new.double())
-    bias_correction2_sqrt = (1 - torch.pow(h.beta2, step_new.double())).sqrt()
-    step_size = lr / bias_correction1
-
-    w_new = w * (1 - lr * h.weight_decay)
-    m_new = exp_avg.lerp(g, 1 - h.beta1)
-    v_new = exp_avg_sq.mul(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-    if h.amsgrad:
-        v_max_new = torch.maximum(max_exp_avg_sq, v_new)
-        denom = (v_max_new.sqrt() / bias_correction2_sqrt).add_(h.eps)
-    else:
-        denom = (v_new.sqrt() / bias_correction2_sqrt).add_(h.eps)
-    # torch's addcdiv_(m, denom, value=-step_size) computes (value * m) / denom, then adds
-    w_new.add_(m_new.mul(-step_size).div_(denom))
-
+    w_new, m_new, v_new, v_max_new, step_new = _compact.adamw_math(
+        weights.to(_math_dtype(weights.dtype)), grad, factor, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr=h.lr,
+        beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, amsgrad=h.amsgrad, maximize=h.maximize)
     # Commit: every write selects the old value when the step is skipped, so skipped steps leave
     # state bitwise unchanged.
     exp_avg.copy_(torch.where(keep, exp_avg, m_new))

@@ -43,13 +43,9 @@ constexpr int kSignedMant = 3;  // _contract.SIGNED_MANT
 constexpr int kSignedOne = 120;  // _contract.SIGNED_ONE
 constexpr int kSqrtMant = 4;  // _contract.SQRT_MANT
 constexpr int kSqrtOne = 240;  // _contract.SQRT_ONE
-constexpr uint64_t kGolden64 = 0x9E3779B97F4A7C15ull;  // _contract.SR_GOLDEN64
-constexpr uint64_t kSplitmixMul1 = 0xBF58476D1CE4E5B9ull;  // _contract.SR_SPLITMIX_MUL1
-constexpr uint64_t kSplitmixMul2 = 0x94D049BB133111EBull;  // _contract.SR_SPLITMIX_MUL2
-constexpr uint32_t kMix32Mul1 = 0x7FEB352Du;  // _contract.SR_MIX32_MUL1
-constexpr uint32_t kMix32Mul2 = 0x846CA68Bu;  // _contract.SR_MIX32_MUL2
-constexpr uint32_t kLowbias32Mul1 = 0x21F0AAADu;  // _contract.SR_LOWBIAS32_MUL1
-constexpr uint32_t kLowbias32Mul2 = 0x735A2D97u;  // _contract.SR_LOWBIAS32_MUL2
+constexpr int kRoundingSeedBits = 31;  // _contract.ROUNDING_SEED_BITS
+constexpr uint32_t kMixMul1 = 0x21F0AAADu;  // _contract.SR_MIX_MUL1
+constexpr uint32_t kMixMul2 = 0x735A2D97u;  // _contract.SR_MIX_MUL2
 constexpr uint32_t kKeySalt = 0x3C6EF372u;  // _contract.SR_KEY_SALT
 constexpr uint32_t kWord0Salt = 0x5BD1E995u;  // _contract.SR_WORD0_SALT
 constexpr uint32_t kWord1Salt = 0x1B873593u;  // _contract.SR_WORD1_SALT
@@ -75,7 +71,7 @@ struct UpdateTensor {
   int32_t master_kind;  // a MASTER_ code
   int32_t moment_kind;  // a MOMENT_ code (all of the tensor's moments alike)
   int32_t stochastic;  // 1: bf16 writes without an exact master round stochastically (Triton: a launch constexpr)
-  int32_t index;  // position in the op's lists: with the seed, it keys the random bits (Triton: the row)
+  int32_t index;  // position in the step's full lists: with the seed, it keys the random bits ([note: rounding bits] in _contract.py)
 };
 
 // _contract.UPDATE_GROUP

@@ -67,9 +67,15 @@ def render_header(c) -> str:
 def render_triton(c) -> str:
     lines = [f'"""{BANNER}', "", "The pass contract as ``tl.constexpr`` globals for the Triton kernels: the constants under their",
              "``ampfused._contract`` names, and the column of each field of a record's int64 row (prefix per",
-             'record, ``<prefix>SIZE`` the row width)."""', "import triton.language as tl", ""]
+             'record, ``<prefix>SIZE`` the row width), and the compact encodings\' codes by stored dtype."""',
+             "import torch", "import triton.language as tl", ""]
     for name, (_, ctype, _) in c.SHARED.items():
         lines.append(f"{name} = tl.constexpr({_py_value(getattr(c, name), ctype)})")
+    # [note: one encoding decision]: the row codes of the masters' and the moments' dtypes
+    masters = ", ".join(f"{dtype}: {code}" for dtype, code, _ in c.MASTER_ENCODINGS.values())
+    moments = ", ".join(f"({a}, {b}): {code}" for (a, b), code in c.MOMENT_ENCODINGS.values())
+    lines += ["", "# _contract.MASTER_ENCODINGS / MOMENT_ENCODINGS", f"MASTER_KIND_OF_DTYPE = {{{masters}}}",
+              f"MOMENT_KIND_OF_DTYPES = {{{moments}}}"]
     for record, (_, prefix) in c.RECORDS.items():
         lines += ["", f"# _contract.{record}"]
         columns = [f for f in getattr(c, record) if f.triton]

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <limits>
 
 #include "adamw_math.h"
 #include "compact_math.h"  // compact::kBlock
@@ -135,8 +136,8 @@ UpdateCall collect_update(
     at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
-    std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales, c10::DeviceType device_type,
-    bool int8_moments) {
+    std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
+    at::OptionalIntArrayRef rounding_index, c10::DeviceType device_type, bool int8_moments) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -175,6 +176,9 @@ UpdateCall collect_update(
   TORCH_CHECK(!moment_scales.has_value() || moment_scales->size() == 3 * n, "ampfused::adamw_update: moment_scales "
               "must hold three entries per tensor (exp_avg, exp_avg_sq and max_exp_avg_sq scales), got ",
               moment_scales.has_value() ? moment_scales->size() : 0, " for ", n, " tensors");
+  TORCH_CHECK(!rounding_index.has_value() || rounding_index->size() == n, "ampfused::adamw_update: rounding_index "
+              "must hold one entry per tensor, got ", rounding_index.has_value() ? rounding_index->size() : 0, " for ", n,
+              " tensors");
   if (n == 0) return out;
   const at::Device device = out.device;
   TORCH_CHECK(device.type() == device_type, "ampfused::adamw_update (", c10::DeviceTypeName(device_type),
@@ -226,7 +230,10 @@ UpdateCall collect_update(
       t.master = static_cast<float*>(master.data_ptr());
     }
     t.stochastic = rounding_seed.has_value() ? 1 : 0;
-    t.index = static_cast<int32_t>(i);
+    // the random bits' key: the tensor's position in the step's full lists ([note: rounding bits] in _contract.py)
+    const int64_t index = rounding_index.has_value() ? (*rounding_index)[i] : static_cast<int64_t>(i);
+    TORCH_CHECK(index >= 0 && index <= std::numeric_limits<int32_t>::max(), "ampfused: rounding_index[", i, "] = ", index, " is not a tensor index");
+    t.index = static_cast<int32_t>(index);
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.defined() && step.numel() == 1 && step.scalar_type() == at::kFloat && step.device() == device,
                 "ampfused: steps[", i, "] must be a one-element float32 tensor on ", device);

@@ -44,8 +44,8 @@ UpdateCall collect_update(
     at::ArrayRef<double> lrs, const c10::List<std::optional<at::Tensor>>& lr_tensors, at::ArrayRef<double> beta1s,
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
-    std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales, c10::DeviceType device_type,
-    bool int8_moments);
+    std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
+    at::OptionalIntArrayRef rounding_index, c10::DeviceType device_type, bool int8_moments);
 
 // adamw_update as registered for one device type (the schema is in ops.cpp): the arguments are
 // collected by the one path above, and `Run` gets the call when it has a tensor. kInt8Moments: `Run`
@@ -58,10 +58,10 @@ void adamw_update_op(at::TensorList params, at::TensorList grads, at::TensorList
                      at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays,
                      at::IntArrayRef flags, const at::Tensor& stats, const std::optional<at::Tensor>& scratch,
                      const std::optional<at::Tensor>& grad_scale, std::optional<int64_t> rounding_seed,
-                     std::optional<at::TensorList> moment_scales) {
+                     std::optional<at::TensorList> moment_scales, at::OptionalIntArrayRef rounding_index) {
   const UpdateCall call = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups,
                                          lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats, scratch,
-                                         grad_scale, rounding_seed, moment_scales, kDevice, kInt8Moments);
+                                         grad_scale, rounding_seed, moment_scales, rounding_index, kDevice, kInt8Moments);
   if (!call.tensors.empty()) Run(call);
 }
 

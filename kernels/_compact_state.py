@@ -12,18 +12,17 @@ tile of whole scale blocks: decode with the old scales, update, take the new blo
 axis 1 (NaN-propagating, as ``amax``), encode, store codes and scales. Elements past the end of the
 tensor count as 0, as the specification's padding.
 
-[note: random bits] Stochastic rounding takes 16 bits per write from a counter-based hash of
-(seed, tensor index, element index): a per-program key from the seed and the tensor index, then
-per element ``y = mix(k ^ key)`` and two words ``mix(y ^ c0)`` (exp_avg, exp_avg_sq) and
-``mix(y ^ c1)`` (max_exp_avg_sq, param), ``mix`` being the bijective 32-bit finalizer "lowbias32"
-(C. Wellons' hash-prospector). Integer-only, so the interpreter gives the GPU's bits.
+Stochastic rounding takes 16 bits per write from the one counter-based hash of (seed,
+tensor index, element index), [note: rounding bits] in ``ampfused/_contract.py``: a per-program key
+(``rounding_key``), then two words per element (``random_words``). Integer-only, so the interpreter
+gives the GPU's bits, and the reference, CPU and CUDA backends draw the same ones.
 """
 import triton
 import triton.language as tl
 
 from . import compact as K
-from ._contract_generated import (DTYPE_BF16, DTYPE_F16, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32, SR_KEY_SALT,
-                                  SR_LOWBIAS32_MUL1, SR_LOWBIAS32_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
+from ._contract_generated import (DTYPE_BF16, DTYPE_F16, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32, SR_KEY_SALT, SR_MIX_MUL1,
+                                  SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
 from ._memory import store_f32
 
 
@@ -31,15 +30,15 @@ from ._memory import store_f32
 def mix32(x):
     """lowbias32: a bijective avalanche of uint32 ``x``."""
     x = x ^ (x >> 16)
-    x = x * SR_LOWBIAS32_MUL1
+    x = x * SR_MIX_MUL1
     x = x ^ (x >> 15)
-    x = x * SR_LOWBIAS32_MUL2
+    x = x * SR_MIX_MUL2
     return x ^ (x >> 15)
 
 
 @triton.jit
 def rounding_key(seed_lo, seed_hi, tensor, start):
-    """Per-program key of the random bits: (seed, tensor index, high word of the element index)."""
+    """Per-program key of the random bits: (seed words, the tensor's index in the step's lists, high word of the element index)."""
     key = mix32(tensor.to(tl.uint32) + SR_KEY_SALT)
     key = mix32(key ^ seed_lo.to(tl.uint32))
     key = mix32(key ^ seed_hi.to(tl.uint32))

@@ -2,7 +2,8 @@
 
 The pass contract as ``tl.constexpr`` globals for the Triton kernels: the constants under their
 ``ampfused._contract`` names, and the column of each field of a record's int64 row (prefix per
-record, ``<prefix>SIZE`` the row width)."""
+record, ``<prefix>SIZE`` the row width), and the compact encodings' codes by stored dtype."""
+import torch
 import triton.language as tl
 
 NORM = tl.constexpr(0)
@@ -39,16 +40,16 @@ SIGNED_MANT = tl.constexpr(3)
 SIGNED_ONE = tl.constexpr(120)
 SQRT_MANT = tl.constexpr(4)
 SQRT_ONE = tl.constexpr(240)
-SR_GOLDEN64 = tl.constexpr(0x9E3779B97F4A7C15)
-SR_SPLITMIX_MUL1 = tl.constexpr(0xBF58476D1CE4E5B9)
-SR_SPLITMIX_MUL2 = tl.constexpr(0x94D049BB133111EB)
-SR_MIX32_MUL1 = tl.constexpr(0x7FEB352D)
-SR_MIX32_MUL2 = tl.constexpr(0x846CA68B)
-SR_LOWBIAS32_MUL1 = tl.constexpr(0x21F0AAAD)
-SR_LOWBIAS32_MUL2 = tl.constexpr(0x735A2D97)
+ROUNDING_SEED_BITS = tl.constexpr(31)
+SR_MIX_MUL1 = tl.constexpr(0x21F0AAAD)
+SR_MIX_MUL2 = tl.constexpr(0x735A2D97)
 SR_KEY_SALT = tl.constexpr(0x3C6EF372)
 SR_WORD0_SALT = tl.constexpr(0x5BD1E995)
 SR_WORD1_SALT = tl.constexpr(0x1B873593)
+
+# _contract.MASTER_ENCODINGS / MOMENT_ENCODINGS
+MASTER_KIND_OF_DTYPE = {torch.float32: 0, torch.int16: 1, torch.int8: 2}
+MOMENT_KIND_OF_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.int8, torch.uint8): 2}
 
 # _contract.UPDATE_TENSOR
 U_PARAM = tl.constexpr(0)
@@ -68,7 +69,8 @@ U_GROUP = tl.constexpr(13)
 U_ALIGNED = tl.constexpr(14)
 U_MASTER_KIND = tl.constexpr(15)
 U_MOMENT_KIND = tl.constexpr(16)
-U_SIZE = tl.constexpr(17)
+U_INDEX = tl.constexpr(17)
+U_SIZE = tl.constexpr(18)
 
 # _contract.UPDATE_GROUP
 G_LR = tl.constexpr(0)

@@ -32,8 +32,9 @@ from . import _compact_state as CS
 from ._contract_generated import (
     DTYPE_BF16, DTYPE_F16, DTYPE_F32, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
     G_LR_KIND, G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
-    MASTER_F32, MASTER_SPLIT16, MASTER_SPLIT8, MOMENT_BF16, MOMENT_F32, MOMENT_INT8, SKIP, U_ALIGNED, U_EXP_AVG,
-    U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_MASTER, U_MASTER_KIND,
+    MASTER_F32, MASTER_KIND_OF_DTYPE, MOMENT_BF16, MOMENT_F32, MOMENT_INT8,
+    MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
+    U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND,
     U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32
 
@@ -285,8 +286,8 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         end = tl.minimum(start + CHUNK, tl.load(row + U_NUMEL))
         if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
             key = tl.program_id(0).to(tl.uint32) * 0
-            if SR:  # [note: random bits] in _compact_state
-                key = CS.rounding_key(seed_lo, seed_hi, tensor, start)
+            if SR:  # [note: rounding bits] in ampfused/_contract.py
+                key = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), start)
             master_kind = tl.load(row + U_MASTER_KIND)
             compact_args = (master_kind, tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
                             tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES), key)
@@ -356,7 +357,7 @@ def _f32(x: float) -> float:
 @_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[9] if len(args) > 9 else None).device)
 def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
                   stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                  rounding_seed: int | None = None) -> None:
+                  rounding_seed: int | None = None, rounding_index=None) -> None:
     """One AdamW step over every tensor in one launch; see ``ampfused._contract.Backend`` for the contract.
 
     Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
@@ -373,7 +374,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
         grad_scale = grad_scale.to(device=device, dtype=torch.float32)
     group_of, group_keys, slot_lrs, keep_alive = _group_rows(group_ids, groups, device)
-    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales)
+    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
     if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):
@@ -392,7 +393,7 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
     _, counter, _ = _tables.scratch_views(scratch, device)
     _runtime.launch(_adamw_update_kernel, (layout.n_chunks,))(
         rows.rows, layout.chunks, groups[0], stats, grad_scale if grad_scale is not None else stats, counter,
-        rows.n_tensors, layout.n_chunks, *lr_args, seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF,
+        rows.n_tensors, layout.n_chunks, *lr_args, seed & _SEED_WORD, (seed >> int(ROUNDING_SEED_BITS)) & _SEED_WORD,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
         **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
@@ -409,6 +410,9 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
                 g.copy_(kernel_grad.reshape(g.shape))
 
 
+_SEED_WORD = (1 << int(ROUNDING_SEED_BITS)) - 1  # [note: rounding bits]: int32 arguments, no recompile per seed
+
+
 def _compact_constexprs(split16, split8, bf16_state, int8_state, stochastic) -> dict:
     """The launch's compact constexprs, only those set: a plain launch passes none and compiles as
     the kernel without compact state."""
@@ -419,7 +423,9 @@ def _compact_constexprs(split16, split8, bf16_state, int8_state, stochastic) -> 
 def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     """(layout, row table, the grads the kernel reads, compact variant) of one update, every tensor
     checked; memoized in ``scratch`` when the kernel reads the grads as they are."""
-    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales = lists
+    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index = lists
+    if rounding_index is None:  # the random bits' key ([note: rounding bits]): the position in the step's full lists
+        rounding_index = range(len(params))
     if moment_scales is None:
         moment_scales = [None] * len(params)
     elif len(moment_scales) != len(params):
@@ -431,10 +437,10 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, laid_out)),
            tuple((t.data_ptr(), t.dtype) for t in chain(exp_avgs, exp_avg_sqs, steps)),
            tuple((0, None) if t is None else (t.data_ptr(), t.dtype) for t in chain(max_exp_avg_sqs, masters)),
-           tuple(scales))
+           tuple(scales), tuple(rounding_index))
     rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
-        params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, group_of, group_keys,
-        device))
+        params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
+        group_of, group_keys, device))
     state_dtypes = {t.dtype for t in exp_avgs}
     master_dtypes = {t.dtype for t in masters if t is not None}
     variant = (torch.int16 in master_dtypes, torch.int8 in master_dtypes, torch.bfloat16 in state_dtypes,
@@ -510,10 +516,10 @@ def _build_group_table(keys, device, keep_alive):
     return table, pinned, keep_alive
 
 
-# The compact encodings: state dtypes -> _compact_state's codes (exp_avg, exp_avg_sq / max_exp_avg_sq dtype)
-_STATE_KINDS = {(torch.float32, torch.float32): int(MOMENT_F32), (torch.bfloat16, torch.bfloat16): int(MOMENT_BF16),
-                (torch.int8, torch.uint8): int(MOMENT_INT8)}
-_MASTER_KINDS = {torch.float32: int(MASTER_F32), torch.int16: int(MASTER_SPLIT16), torch.int8: int(MASTER_SPLIT8)}
+# The compact encodings ([note: one encoding decision] in ampfused/_contract.py): state dtypes -> row
+# codes ((exp_avg, exp_avg_sq / max_exp_avg_sq dtypes) for the moments)
+_STATE_KINDS = MOMENT_KIND_OF_DTYPES
+_MASTER_KINDS = MASTER_KIND_OF_DTYPE
 _SPLIT_PARAMS = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
 _SCALE_BLOCK = int(INT8_BLOCK)
 
@@ -547,8 +553,8 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
     return _MASTER_KINDS[master.dtype] if master is not None else int(MASTER_F32), kind, addrs
 
 
-def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, group_of,
-                group_keys, device):
+def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
+                group_of, group_keys, device):
     low = _tables.DTYPE_CODE
     fp32 = {torch.float32: int(DTYPE_F32)}
     moment_dtypes = (fp32, {torch.float32: int(MOMENT_F32), torch.bfloat16: int(MOMENT_BF16), torch.int8: int(MOMENT_INT8)},
@@ -582,7 +588,7 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
                                 (p.data_ptr(), g.data_ptr(), *state_addrs, step.data_ptr())):
             row[column] = addr
         row[U_NUMEL], row[U_PARAM_DTYPE], row[U_GRAD_DTYPE] = p.numel(), low[p.dtype], low[g.dtype]
-        row[U_GROUP], row[U_ALIGNED] = group_of[i], aligned
+        row[U_GROUP], row[U_ALIGNED], row[U_INDEX] = group_of[i], aligned, rounding_index[i]
         row[U_MASTER_KIND], row[U_MOMENT_KIND], scale_addrs = compact
         row[U_EXP_AVG_SCALES], row[U_EXP_AVG_SQ_SCALES], row[U_MAX_EXP_AVG_SQ_SCALES] = scale_addrs
         rows.append(row)

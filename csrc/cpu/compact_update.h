@@ -23,7 +23,8 @@ namespace cpu {
 namespace AMPFUSED_ISA {
 namespace compact_loop {
 
-using compact::random_bits;
+using compact::element_hash;
+using compact::random_word;
 
 // The master encodings with a fixed element type (kMasterF32 without a master is kNone).
 constexpr int kNone = -1;
@@ -37,16 +38,16 @@ struct Setup {
   void* m;
   void* v;
   void* vmax;  // nullptr without AMSGrad
-  uint32_t k0, key[4];
+  uint32_t k0, key;
 
   Setup(const UpdateRange& r, int64_t at)
       : s(*r.scalars), factor(r.factor), m(r.exp_avg), v(r.exp_avg_sq), vmax(r.max_exp_avg_sq),
-        k0(static_cast<uint32_t>(at)), key{r.rounding_keys[0], r.rounding_keys[1], r.rounding_keys[2], r.rounding_keys[3]} {}
+        k0(static_cast<uint32_t>(at)), key(r.rounding_key) {}
 
-  // 32 random bits of element at + j: stream 0 (exp_avg low half, exp_avg_sq high half) or 1
-  // (max_exp_avg_sq low half, the param high half)
-  AMPFUSED_HD uint32_t bits(int64_t j, int stream) const {
-    return random_bits(k0 + static_cast<uint32_t>(j), key[2 * stream], key[2 * stream + 1]);
+  // random word 0 (exp_avg low half, exp_avg_sq high half) or 1 (max_exp_avg_sq low half, the
+  // param high half) of element at + j
+  AMPFUSED_HD uint32_t bits(int64_t j, int word) const {
+    return random_word(element_hash(k0 + static_cast<uint32_t>(j), key), word);
   }
 };
 

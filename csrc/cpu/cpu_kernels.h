@@ -25,7 +25,7 @@ struct UpdateRange : UpdateTensor {
   float unscale;          // 1 / loss scale, as torch's unscale_ rounds it
   int64_t begin;
   int64_t end;
-  uint32_t rounding_keys[4];  // stochastic rounding (compact_random.h): the keys of this range's elements
+  uint32_t rounding_key;  // stochastic rounding (compact_random.h): the key of this range's elements
 };
 
 struct SumSq {

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -196,9 +195,8 @@ void adamw_update_cpu(const UpdateCall& call) {
       ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b,
                                    std::min(t.numel, b + kRange)});
       if (t.stochastic != 0) {  // ranges never straddle a multiple of 2^32 elements: one high word each
-        const compact::RoundingKeys keys = compact::rounding_keys(static_cast<uint64_t>(*call.rounding_seed), t.index,
-                                                                  static_cast<uint32_t>(b >> 32));
-        std::memcpy(ranges.back().rounding_keys, keys.k, sizeof(keys.k));
+        ranges.back().rounding_key = compact::rounding_key(static_cast<uint64_t>(*call.rounding_seed), t.index,
+                                                           static_cast<uint32_t>(b >> 32));
       }
     }
   }

@@ -286,9 +286,8 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
   // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
   const bool sr_moments = t.stochastic != 0 && t.moment_kind == kMomentBF16;
   const bool sr_param = t.stochastic != 0 && t.master == nullptr && t.param_dtype == kBF16;
-  compact::RoundingKeys keys{{0u, 0u, 0u, 0u}};
   // a chunk never straddles a multiple of 2^32 elements: one high word (compact_random.h)
-  if (t.stochastic != 0) keys = compact::rounding_keys(seed, t.index, static_cast<uint32_t>(begin >> 32));
+  const uint32_t key = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>(begin >> 32)) : 0u;
   for (int64_t base = begin + static_cast<int64_t>(kGroup) * (threadIdx.x / kWarp); base < end;
        base += static_cast<int64_t>(kGroup) * warps) {  // uniform over the warp: whole warps take a group
     Lane l;
@@ -341,9 +340,9 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
       uint32_t rand_a[4] = {0u, 0u, 0u, 0u}, rand_b[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t k = static_cast<uint32_t>(at + j);
-        if (sr_moments) rand_a[j] = compact::random_bits(k, keys.k[0], keys.k[1]);
-        if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_bits(k, keys.k[2], keys.k[3]);
+        const uint32_t hash = compact::element_hash(static_cast<uint32_t>(at + j), key);
+        if (sr_moments) rand_a[j] = compact::random_word(hash, 0);
+        if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_word(hash, 1);
       }
       store_weights(t, at, n, vec, q.w, sr_param, rand_b);
       if (!int8) {  // int8 moments wait for the group's scales (below)

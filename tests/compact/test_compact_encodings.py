@@ -156,7 +156,8 @@ def test_stochastic_rounding_reproduces_under_manual_seed():
     c = C.round_bf16(x, stochastic=True)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert not torch.equal(b.view(torch.int16), c.view(torch.int16))
-    rand = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(5))
+    seed = C.draw_rounding_seed(torch.Generator().manual_seed(5))  # the generator draws the hash's seed
+    rand = C.random_words(seed, 0, torch.arange(x.numel()))[0] & 0xFFFF
     assert torch.equal(C.stochastic_round_bf16(x, rand).view(torch.int16),
                        C.round_bf16(x, stochastic=True, generator=torch.Generator().manual_seed(5)).view(torch.int16))
 

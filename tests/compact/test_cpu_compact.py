@@ -6,8 +6,8 @@ fp32 step (its "twin": the same step on the decoded master and moments), and spl
 fp32-master path outright. Against the spec's whole step (torch ops), moments (int8 codes and
 scales too) and step are bitwise
 and the weights within a few fp32 ulps, as the fp32 kernel is against ampfused.reference
-(tests/contract/test_passes.py: torch's division by a scalar is not correctly rounded). Stochastic rounding draws other bits than the spec's torch.randint, so it is
-checked by what SR promises: each value is one of its two bf16 neighbours, unbiased, reproducible
+(tests/contract/test_passes.py: torch's division by a scalar is not correctly rounded). Stochastic rounding (the spec's bits exactly:
+tests/compact/test_rounding_bits.py) is checked here by what SR promises: each value is one of its two bf16 neighbours, unbiased, reproducible
 per seed, and different between seeds and tensors.
 """
 import pytest

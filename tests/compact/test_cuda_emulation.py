@@ -66,7 +66,8 @@ class EmulatedCuda:
         self.lib = lib
 
     def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                      stats, *, scratch=None, grad_scale=None, moment_scales=None, rounding_seed=None):
+                      stats, *, scratch=None, grad_scale=None, moment_scales=None, rounding_seed=None,
+                      rounding_index=None):
         if float(stats[SKIP]) != 0.0:
             return
         factor = float(stats[FACTOR])
@@ -84,7 +85,8 @@ class EmulatedCuda:
                 numel=p.numel(), param_dtype=DTYPE_CODE[p.dtype], grad_dtype=DTYPE_CODE[grads[i].dtype],
                 group=group_ids[i], aligned=int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
                 master_kind=MASTER_KIND[master.dtype] if master is not None else _contract.MASTER_F32,
-                moment_kind=MOMENT_KIND[exp_avgs[i].dtype], stochastic=int(rounding_seed is not None), index=i)
+                moment_kind=MOMENT_KIND[exp_avgs[i].dtype], stochastic=int(rounding_seed is not None),
+                index=i if rounding_index is None else rounding_index[i])
             self.lib.emulated_update(
                 ctypes.byref(record), ctypes.c_double(float(h.lr)), ctypes.c_double(h.beta1), ctypes.c_double(h.beta2),
                 ctypes.c_double(h.eps), ctypes.c_double(h.weight_decay), ctypes.c_float(-factor if h.maximize else factor),
