@@ -7,13 +7,11 @@ the price is temporaries, which is fine for an oracle and a fallback.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import Tensor
 
 from . import _compact
-from ._contract import FACTOR, SKIP, SR_GOLDEN64, SUMSQ, finish_, inv_scale_of
+from ._contract import FACTOR, SKIP, SR_GOLDEN64, SUMSQ, Batch, finish_, inv_scale_of
 
 NAME = "reference"
 
@@ -27,10 +25,11 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     main_grad.add_(grad)
 
 
-def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+def grad_stats_(batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                 max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-    """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
-    (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
+    """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` (``batch.grads``)
+    in one pass (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
+    grads = batch.grads
     inv_scale = inv_scale_of(grad_scale)
     sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
     bad = torch.zeros((), dtype=torch.bool, device=stats.device)
@@ -53,14 +52,16 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every encoding of ``_compact``
 
 
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
+def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
                   rounding_seed: int | None = None) -> None:
     """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed).
 
     Compact tensors (told by their dtypes, ``_contract.Backend``) step through
     ``_compact.compact_adamw_step_``, the specification of every encoding; the others through the fp32 step below.
     """
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = (
+        batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters)
+    group_ids, groups, moment_scales = batch.group_ids, batch.groups, batch.moment_scales
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
     inv_scale = inv_scale_of(grad_scale)

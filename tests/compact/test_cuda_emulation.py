@@ -65,8 +65,10 @@ class EmulatedCuda:
     def __init__(self, lib):
         self.lib = lib
 
-    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                      stats, *, scratch=None, grad_scale=None, moment_scales=None, rounding_seed=None):
+    def adamw_update_(self, batch, stats, *, scratch=None, grad_scale=None, rounding_seed=None):
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, moment_scales = (
+            batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps,
+            batch.masters, batch.group_ids, batch.groups, batch.moment_scales)
         if float(stats[SKIP]) != 0.0:
             return
         factor = float(stats[FACTOR])
