@@ -13,7 +13,6 @@ slots): the stats pass writes it, ending with :func:`finish_`; the update pass r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence
 
 import torch
@@ -203,7 +202,6 @@ class Hyper(NamedTuple):
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
 
 
-@dataclass(eq=False, slots=True)
 class Batch:
     """[note: batch] One update's tensors and group rows, in the spec's order: what every backend's
     passes take (``Backend.grad_stats_`` reads ``grads`` only).
@@ -217,17 +215,17 @@ class Batch:
     ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
     """
 
-    params: Sequence[Tensor]
-    grads: Sequence[Tensor]
-    exp_avgs: Sequence[Tensor]
-    exp_avg_sqs: Sequence[Tensor]
-    max_exp_avg_sqs: Sequence[Tensor | None]
-    steps: Sequence[Tensor]
-    masters: Sequence[Tensor | None]
-    group_ids: Sequence[int]
-    groups: Sequence[Hyper]
-    moment_scales: Sequence | None = None
-    parts: dict = field(default_factory=dict)
+    __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
+                 "groups", "moment_scales", "parts")
+
+    def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                 exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
+                 masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper],
+                 moment_scales: Sequence | None = None):
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, grads, exp_avgs, exp_avg_sqs
+        self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
+        self.group_ids, self.groups, self.moment_scales = group_ids, groups, moment_scales
+        self.parts: dict = {}
 
     def drop_grads(self) -> None:
         """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds
