@@ -16,7 +16,6 @@ import importlib.machinery
 import os
 import sys
 import warnings
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -180,15 +179,15 @@ class CompiledBackend:
             return
         torch.ops.ampfused.accumulate(main_grad, _as_kernel_input(grad, main_grad))
 
-    def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+    def grad_stats_(self, batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                     max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in grads], grad_scale, found_inf,
+        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in batch.grads], grad_scale, found_inf,
                                       None if max_grad_norm is None else float(max_grad_norm), stats,
                                       self._scratch_buffer(scratch, stats.device), check_nonfinite)
 
-    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                      stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                      rounding_seed: int | None = None, rounding_index=None) -> None:
+    def adamw_update_(self, batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
+                      rounding_seed: int | None = None) -> None:
+        params, grads, groups, moment_scales = batch.params, batch.grads, batch.groups, batch.moment_scales
         # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 codes with
         # their block scales, three per tensor (an empty tensor for none), where the kernels serve them
         flat_scales = None
@@ -197,19 +196,22 @@ class CompiledBackend:
                 raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
             empty = self._empty(params[0].device)
             flat_scales = [empty if t is None else t for s in moment_scales for t in (s if s is not None else (None,) * 3)]
-        # the groups map one to one onto the op's per-group lists (a tensor lr is read on the device)
-        lrs = [0.0 if isinstance(h.lr, Tensor) else float(h.lr) for h in groups]
-        lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]
+        # The op takes the batch as parallel per-field lists: a TORCH_LIBRARY schema types its arguments
+        # as Tensor[] / float[] / int[] / Tensor?[], not records, so the group rows become one list per
+        # field here (per group, never per tensor) and csrc/ops.cpp packs them into UpdateGroup records.
+        lrs = [0.0 if isinstance(h.lr, Tensor) else h.lr for h in groups]
+        lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]  # read on the device
         # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
         none = self._empty(params[0].device) if params else None
         kernel_grads = [_as_kernel_input(g, p) for g, p in zip(grads, params)]
         torch.ops.ampfused.adamw_update(
-            list(params), kernel_grads, list(exp_avgs), list(exp_avg_sqs),
-            [none if t is None else t for t in max_exp_avg_sqs], list(steps), [none if t is None else t for t in masters],
-            list(group_ids), lrs, lr_tensors, [float(h.beta1) for h in groups], [float(h.beta2) for h in groups],
-            [float(h.eps) for h in groups], [float(h.weight_decay) for h in groups], [h.flags for h in groups], stats,
+            list(params), kernel_grads, list(batch.exp_avgs), list(batch.exp_avg_sqs),
+            [none if t is None else t for t in batch.max_exp_avg_sqs], list(batch.steps),
+            [none if t is None else t for t in batch.masters], list(batch.group_ids), lrs, lr_tensors,
+            [h.beta1 for h in groups], [h.beta2 for h in groups], [h.eps for h in groups],
+            [h.weight_decay for h in groups], [h.flags for h in groups], stats,
             self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
-            flat_scales, None if rounding_index is None else [int(i) for i in rounding_index])
+            flat_scales, None if batch.index is None else [int(i) for i in batch.index])
         if grad_scale is not None:
             copy_back_unscaled(grads, kernel_grads)
 

@@ -244,7 +244,12 @@ RECORDS = {"UPDATE_TENSOR": ("UpdateTensor", "U_"), "UPDATE_GROUP": ("UpdateGrou
 
 
 class Hyper(NamedTuple):
-    """Hyperparameters of one param group, shared by all tensors of the group."""
+    """One group row: the hyperparameters of one param group, shared by all tensors of the group.
+
+    Converted from the group dict once per step (``_plan.StepPlan.hypers``, ``functional.group_hypers``):
+    floats and bools, ``lr`` a float or a 1-element tensor (read on the device: no sync). Backends
+    read these fields as they are.
+    """
 
     lr: float | Tensor
     beta1: float
@@ -257,6 +262,48 @@ class Hyper(NamedTuple):
     @property
     def flags(self) -> int:
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
+
+
+class Batch:
+    """[note: batch] One update's tensors and group rows, in the spec's order: what every backend's
+    passes take (``Backend.grad_stats_`` reads ``grads`` only).
+
+    Parallel per-tensor lists (``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param
+    has no AMSGrad buffer / no master), ``group_ids[i]`` the index of tensor ``i``'s row in
+    ``groups``, and ``moment_scales`` the int8 block scales of compact tensors (``None``, or ``None``
+    entries, for others; see ``Backend.adamw_update_``). The optimizer's plan builds one per plan
+    and a step patches only ``grads`` and ``groups``; the other lists keep their identity, which is
+    what a backend's host memo keys on ([note: host time] in ``_plan.py``). ``parts`` caches what
+    ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
+    ``index``: each tensor's position in the step's full lists (``None``: ``0..n-1``), what keys its
+    stochastic-rounding bits ([note: rounding bits]), so a share of a split step draws the same bits.
+    """
+
+    __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
+                 "groups", "moment_scales", "index", "parts")
+
+    def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                 exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
+                 masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper],
+                 moment_scales: Sequence | None = None, index: Sequence[int] | None = None):
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, grads, exp_avgs, exp_avg_sqs
+        self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
+        self.group_ids, self.groups, self.moment_scales, self.index = group_ids, groups, moment_scales, index
+        self.parts: dict = {}
+
+    def drop_grads(self) -> None:
+        """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds
+        its grads only weakly between steps: [note: grads held weakly] in ``_plan.py``)."""
+        self.grads = None
+        for part in self.parts.values():
+            for b in part:
+                if isinstance(b, Batch):
+                    b.grads = None
+
+    @classmethod
+    def of_grads(cls, grads: Sequence[Tensor]) -> "Batch":
+        """A batch for the stats pass alone: its grads, no update lists."""
+        return cls([], grads, [], [], [], [], [], [], [])
 
 
 def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
@@ -308,9 +355,9 @@ class Backend(Protocol):
     def accumulate_(self, main_grad: Tensor, grad: Tensor) -> None:
         """``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16, same shape)."""
 
-    def grad_stats_(self, grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+    def grad_stats_(self, batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                     max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-        """One pass over the grads, then the finish, in one launch.
+        """One pass over ``grads = batch.grads``, then the finish, in one launch.
 
         ``u = grads[i].float() * inv_scale`` with ``inv_scale = float(1 / double(grad_scale))``
         (torch's unscale; ``grad_scale`` is a 1-element fp32 device tensor, the loss scale, or
@@ -326,15 +373,12 @@ class Backend(Protocol):
         memo) or ``None`` for a fresh one; a backend that needs none ignores it.
         """
 
-    def adamw_update_(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                      exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
-                      masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper], stats: Tensor,
-                      *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                      rounding_seed: int | None = None, rounding_index: Sequence[int] | None = None) -> None:
-        """One AdamW step over parallel per-tensor lists, in one launch.
+    def adamw_update_(self, batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
+                      rounding_seed: int | None = None) -> None:
+        """One AdamW step over the tensors of ``batch`` (its lists named below as they are), in one launch.
 
         ``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param has no AMSGrad buffer /
-        no master copy. Tensor ``i`` takes the hyperparameters ``groups[group_ids[i]]`` (the
+        no master copy. Tensor ``i`` takes the group row ``groups[group_ids[i]]`` (the
         caller groups them once: the optimizer by param group, the functional API by value).
         Grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale); when
         ``stats[SKIP]`` is non-zero nothing is written at all. With ``grad_scale`` the unscaled
@@ -346,18 +390,18 @@ class Backend(Protocol):
         ``masters[i]`` fp32 (a master copy), int16 (split16 low bits, bf16 params) or int8 (split8
         residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
         ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
-        memory order) come in ``moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
+        memory order) come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
         max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
         ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
         without an exact master (bf16 moments, bf16 params without master) stochastically, with the
-        bits of the one hash of (seed, ``rounding_index[i]``, element) ([note: rounding bits]), the
-        same on every backend. ``rounding_index[i]`` is tensor ``i``'s position in the step's full
+        bits of the one hash of (seed, ``batch.index[i]``, element) ([note: rounding bits]), the
+        same on every backend. ``batch.index[i]`` is tensor ``i``'s position in the step's full
         lists (None: ``i``), so a tensor draws the same bits whichever share of a split step serves
         it. A skipped step writes no buffer, compact ones included.
         A backend lists the encodings it serves in ``COMPACT_MODES`` (a subset of {"split16", "split8",
         "bf16", "int8", "sr"}; missing means none): ``functional.run_step`` hands the tensors whose
-        encodings it lacks to ``ampfused.reference`` in the same step, and passes ``moment_scales`` /
-        ``rounding_seed`` / ``rounding_index`` to a backend only when its share needs them.
+        encodings it lacks to ``ampfused.reference`` in the same step, and gives a backend
+        ``moment_scales`` / ``rounding_seed`` only when its share needs them.
         """
 
     def scaler_update_(self, found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,

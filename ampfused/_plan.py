@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _dtensor, functional
+from . import _dtensor
 from ._args import check_grad, check_no_overlap
-from ._contract import Hyper, is_dense
+from ._contract import Batch, Hyper, is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
 
 
@@ -59,6 +59,10 @@ class StepPlan:
     -- rebuilds the plan
     through the validating path. Hyperparameters are read per group at every step.
 
+    The plan builds one :class:`~ampfused._contract.Batch` ([note: batch]) and a step patches its
+    grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
+    passes' share (``batch.parts``) live as long as the plan.
+
     [note: grads held weakly] Between steps the plan holds its grads only through weak references
     (``release_grads``, called when the step is done): ``zero_grad(set_to_none=True)`` then frees
     them, as with torch's optimizers, instead of keeping a whole set of gradients alive through the
@@ -89,7 +93,6 @@ class StepPlan:
         scales = [scales_of(s, g["amsgrad"]) for s, (_, _, g) in zip(states, work)]
         self.moment_scales = scales if any(x is not None for x in scales) else None
         self.wide = wide_indices(self.params)  # float64/complex: the reference passes' share
-        self.fallback: dict = {}  # (backend name, stochastic) -> the indices the reference passes serve
         # [note: groups once] the param groups with work, in order, and each tensor's index among them
         index: dict[int, int] = {}
         self.stepping_groups = []
@@ -98,6 +101,11 @@ class StepPlan:
                 index[id(g)] = len(self.stepping_groups)
                 self.stepping_groups.append(g)
         self.group_ids = [index[id(g)] for _, _, g in work]
+        self.is_dtensor = bool(self.params) and _dtensor.is_dtensor(self.params[0])  # all or none (add_param_group)
+        self.batch: Batch | None = None if self.is_dtensor else Batch(
+            self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps, self.masters,
+            self.group_ids, [], self.moment_scales)
+        self.local_params: list | None = None  # [distributed] the local shards self.batch was built from
 
     def still_valid(self, param_groups, state) -> bool:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
@@ -128,27 +136,39 @@ class StepPlan:
         self.grad_refs = None
         return True
 
-    def fallback_for(self, backend, lists, stochastic: bool) -> list[int]:
-        """The indices the reference passes serve for ``backend`` (``functional.fallback_indices``), cached."""
-        key = (backend.NAME, stochastic)
-        if key not in self.fallback:
-            self.fallback[key] = functional.fallback_indices(backend, lists[0], lists[2], lists[5], self.moment_scales,
-                                                             stochastic)
-        return self.fallback[key]
+    def batch_for_step(self):
+        """(this step's batch: the plan's, with the grads and group rows patched in; the stats reducer of
+        DTensor lists, else None). [distributed] DTensors step on their local shards, and the stats cover the mesh."""
+        groups = self.hypers()
+        if not self.is_dtensor:
+            batch = self.batch
+            batch.grads, batch.groups = self.grads, groups
+            return batch, None
+        (params, grads), reduce_stats = _dtensor.localize(self.params, self.grads)  # (checks the grads' placements)
+        if self.batch is None or not all(map(operator.is_, params, self.local_params)):
+            local = _dtensor.local_tensors
+            self.batch = Batch(params, grads, local(self.exp_avgs), local(self.exp_avg_sqs), local(self.max_exp_avg_sqs),
+                               self.steps, local(self.masters), self.group_ids, groups, self.moment_scales)
+            self.local_params = params
+        self.batch.grads, self.batch.groups = grads, groups
+        return self.batch, reduce_stats
 
     def release_grads(self) -> None:
         """The step is done: keep the grads only weakly (see [note: grads held weakly])."""
         if self.grad_refs is None:
             self.grad_refs = [None if g is None else weakref.ref(g) for g in self.all_grads]
             self.all_grads = self.grads = None
+            if self.batch is not None:
+                self.batch.drop_grads()
 
     def hypers(self) -> list[Hyper]:
         """The hyperparameters of every stepping group, read at every step (a scheduler may change them)."""
         groups = []
-        for group in self.stepping_groups:
-            beta1, beta2 = (_as_float(b) for b in group["betas"])
-            groups.append(Hyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["amsgrad"],
-                                group["maximize"]))
+        for group in self.stepping_groups:  # the group rows: converted here, once per step
+            beta1, beta2 = (float(_as_float(b)) for b in group["betas"])
+            lr = group["lr"]
+            groups.append(Hyper(lr if isinstance(lr, Tensor) else float(lr), beta1, beta2, float(group["eps"]),
+                                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"])))
         return groups
 
 

@@ -16,14 +16,15 @@ stats: the update runs alone on a constant stats vector (factor 1, no skip), one
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Hyper, compact_modes, finish_, is_dense
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper, compact_modes, finish_, is_dense
 from ._state import wide_indices
 
 class Scratch:
@@ -120,7 +121,7 @@ def fused_amp_adamw(
         # a TypeError naming it, not a raw one from a float() in the passes
         for i, v in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
             check_number(v, name if i is None else f"{name}[{i}]", tensor_ok=name != "eps" and name != "weight_decay")
-    hypers = [Hyper(*row) for row in zip(*columns)]
+    hypers = [Hyper(*row) for row in zip(*columns)]  # (raw values: group_hypers makes the group rows)
     for i, h in enumerate(hypers):  # validate everything before the first write
         if h.amsgrad and max_exp_avg_sqs[i] is None:
             raise ValueError(f"amsgrad is set for tensor {i} but max_exp_avg_sqs[{i}] is None")
@@ -133,10 +134,11 @@ def fused_amp_adamw(
     # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
     (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
-    return run_step(module, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, group_ids,
-                    groups, max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
-                    skip_nonfinite=skip_nonfinite, keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats,
-                    moment_scales=moment_scales, rounding_seed=rounding_seed)
+    batch = Batch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, group_ids, groups,
+                  moment_scales)
+    return run_step(module, batch, StepOptions(
+        max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
+        keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats, rounding_seed=rounding_seed))
 
 
 def group_hypers(hypers: Sequence[Hyper]) -> tuple[list[int], list[Hyper]]:
@@ -151,12 +153,14 @@ def group_hypers(hypers: Sequence[Hyper]) -> tuple[list[int], list[Hyper]]:
     group_ids: list[int] = []
     for h in hypers:
         lr_is_tensor = isinstance(h.lr, Tensor)
-        key = (id(h.lr) if lr_is_tensor else float(h.lr), lr_is_tensor, float(h.beta1), float(h.beta2), float(h.eps),
-               float(h.weight_decay), bool(h.amsgrad), bool(h.maximize))
+        lr = h.lr if lr_is_tensor else float(h.lr)
+        row = Hyper(lr, float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.amsgrad),
+                    bool(h.maximize))  # the group row, converted here once
+        key = (id(lr) if lr_is_tensor else lr, lr_is_tensor, *row[1:])
         g = index.get(key)
         if g is None:
             g = index[key] = len(groups)
-            groups.append(h)
+            groups.append(row)
         group_ids.append(g)
     return group_ids, groups
 
@@ -180,24 +184,37 @@ def _plain_stats(device: torch.device) -> Tensor:
     return stats
 
 
-def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, *,
-             max_grad_norm, grad_scale, found_inf, skip_nonfinite=True, keep_scaled_grads=False, reduce_stats=None,
-             scratch: Scratch | None = None, wide: list[int] | None = None, moment_scales: list | None = None,
-             rounding_seed: int | None = None) -> tuple[Tensor | None, Tensor]:
-    """Stats pass (finish included), update pass over checked lists (``_contract.Backend`` says what
-    each list holds; tensor ``i`` takes ``groups[group_ids[i]]``). No host synchronization; ``(grad_norm, skipped)``
-    are 0-d views of one fresh device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only
-    zero without stats pass, see [note: the plain step]).
+@dataclass(slots=True)
+class StepOptions:
+    """What one step adds to its :class:`~ampfused._contract.Batch` (see :func:`run_step`)."""
 
-    ``reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of squares and
-    skip flag into the global ones (``ampfused._reducers``: one all-reduce over the shards' mesh or ZeRO's group);
-    the finish then runs again on them, so every rank takes the same decision. ``scratch``: the
-    caller's :class:`Scratch` (see [note: scratch]); without it each launch gets a fresh one.
-    ``wide``: the indices of the tensors the reference passes serve (computed when None, see
-    :func:`fallback_indices`). ``moment_scales`` / ``rounding_seed``: the compact state's int8 scales
-    and the stochastic-rounding seed (``_contract.Backend.adamw_update_``).
+    max_grad_norm: float | None = None
+    grad_scale: Tensor | None = None  # the loss scale the grads carry
+    found_inf: Tensor | float | None = None  # a device flag (or a plain number) from an earlier inf check
+    skip_nonfinite: bool = True
+    keep_scaled_grads: bool = False
+    reduce_stats: Callable | None = None
+    scratch: Scratch | None = None
+    rounding_seed: int | None = None
+
+
+def run_step(backend, batch: Batch, options: StepOptions) -> tuple[Tensor | None, Tensor]:
+    """Stats pass (finish included), update pass over a checked ``batch`` (``_contract.Batch`` says
+    what it holds). No host synchronization; ``(grad_norm, skipped)`` are 0-d views of one fresh
+    device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only zero without stats pass,
+    see [note: the plain step]).
+
+    ``options.reduce_stats(sumsq, flag) -> (sumsq, flag)``, when given, turns this rank's sum of
+    squares and skip flag into the global ones (``ampfused._reducers``: one all-reduce over the
+    shards' mesh or ZeRO's group); the finish then runs again on them, so every rank takes the same
+    decision. ``options.scratch``: the caller's :class:`Scratch` (see [note: scratch]); without it
+    each launch gets a fresh one. The tensors the reference passes serve (:func:`fallback_indices`)
+    and the split of the batch are cached in ``batch.parts``. ``options.rounding_seed``: the
+    stochastic-rounding seed (``_contract.Backend.adamw_update_``).
     """
-    device = params[0].device
+    device = batch.params[0].device
+    # the scalar inputs, normalised here once: every backend takes them as they come out
+    grad_scale, found_inf = options.grad_scale, options.found_inf
     if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
         grad_scale = grad_scale.to(device=device, dtype=torch.float32)
     if found_inf is not None and not isinstance(found_inf, Tensor):
@@ -205,59 +222,42 @@ def run_step(backend, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         found_inf = torch.ones((), dtype=torch.float32, device=device) if found_inf else None
     elif found_inf is not None and (found_inf.device != device or found_inf.dtype != torch.float32 or found_inf.numel() != 1):
         found_inf = found_inf.to(device=device, dtype=torch.float32).sum()
+    max_grad_norm, scratch, seed = options.max_grad_norm, options.scratch, options.rounding_seed
     # the unscaled grads are written back only when the grads carry a scale (not after unscale_)
-    unscale_into_grads = None if keep_scaled_grads else grad_scale
-    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids)
-    if wide is None:  # (FusedAmpAdamW passes its plan's cached indices: reading p.dtype costs host time)
-        wide = fallback_indices(backend, params, exp_avgs, masters, moment_scales, rounding_seed is not None)
-    scales, wide_scales = moment_scales, moment_scales
-    index, wide_index = None, None  # each share's positions in these lists, which key the random bits
-    if wide:  # [note: wide params] [note: compact fallback] the kernels' share, and the rest for the reference passes
-        lists, wide_lists = _split(lists, wide)
-        wide_set = set(wide)
-        if moment_scales is not None:
-            scales = [x for i, x in enumerate(moment_scales) if i not in wide_set]
-            wide_scales = [moment_scales[i] for i in wide]
-        if rounding_seed is not None:  # [note: rounding bits] in _contract: a split changes no tensor's bits
-            index, wide_index = [i for i in range(len(params)) if i not in wide_set], list(wide)
-    compact_kwargs = {}  # only what the backend's share needs: backends without compact modes never see these
-    if scales is not None and lists[0] and any(x is not None for x in scales):
-        compact_kwargs["moment_scales"] = scales
-    if rounding_seed is not None and "sr" in getattr(backend, "COMPACT_MODES", ()):
-        compact_kwargs["rounding_seed"] = rounding_seed
-        if index is not None:
-            compact_kwargs["rounding_index"] = index
-    wide_kwargs = dict(moment_scales=wide_scales, rounding_seed=rounding_seed, rounding_index=wide_index)
-    if not needs_stats(grad_scale, found_inf, max_grad_norm, skip_nonfinite):
+    unscale_into_grads = None if options.keep_scaled_grads else grad_scale
+    # [note: wide params] [note: compact fallback] the kernels' share, and the rest for the reference passes
+    share, wide = _shares(backend, batch, seed is not None)
+    # only what the backend's share needs: backends without compact modes never see a seed
+    share_seed = seed if seed is not None and "sr" in getattr(backend, "COMPACT_MODES", ()) else None
+    if not needs_stats(grad_scale, found_inf, max_grad_norm, options.skip_nonfinite):
         stats = _plain_stats(device)  # every rank steps: no stats to all-reduce either
-        if lists[0]:
-            backend.adamw_update_(*lists, groups, stats, scratch=scratch, **compact_kwargs)
-        if wide:
-            reference.adamw_update_(*wide_lists, groups, stats, **wide_kwargs)
+        if share.params:
+            backend.adamw_update_(share, stats, scratch=scratch, rounding_seed=share_seed)
+        if wide is not None:
+            reference.adamw_update_(wide, stats, rounding_seed=seed)
         return None, stats[SKIP]
     # a scaler always skips on inf/NaN: the guard is off only without one
-    check_nonfinite = skip_nonfinite or grad_scale is not None or found_inf is not None
+    check_nonfinite = options.skip_nonfinite or grad_scale is not None or found_inf is not None
     stats = torch.empty(STATS_SIZE, dtype=torch.float32, device=device)
-    if lists[0]:
-        backend.grad_stats_(lists[1], grad_scale, found_inf, max_grad_norm, stats, scratch=scratch,
+    if share.params:
+        backend.grad_stats_(share, grad_scale, found_inf, max_grad_norm, stats, scratch=scratch,
                             check_nonfinite=check_nonfinite)
     else:
         stats.zero_()
-    if wide:
+    if wide is not None:
         wide_stats = torch.empty_like(stats)
-        reference.grad_stats_(wide_lists[1], grad_scale, found_inf, max_grad_norm, wide_stats,
-                              check_nonfinite=check_nonfinite)
+        reference.grad_stats_(wide, grad_scale, found_inf, max_grad_norm, wide_stats, check_nonfinite=check_nonfinite)
         stats[SUMSQ] += wide_stats[SUMSQ]
         stats[SKIP] = torch.maximum(stats[SKIP], wide_stats[SKIP])  # both hold found_inf already
         finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
-    if reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
-        sumsq, flag = reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
+    if options.reduce_stats is not None:  # [distributed] local shards' stats -> global (one small all-reduce)
+        sumsq, flag = options.reduce_stats(stats[SUMSQ], stats[SKIP])  # SKIP already holds found_inf
         stats[SUMSQ], stats[SKIP] = sumsq, flag
         finish_(stats, grad_scale, None, max_grad_norm, check_nonfinite=check_nonfinite)
-    if lists[0]:
-        backend.adamw_update_(*lists, groups, stats, scratch=scratch, grad_scale=unscale_into_grads, **compact_kwargs)
-    if wide:
-        reference.adamw_update_(*wide_lists, groups, stats, grad_scale=unscale_into_grads, **wide_kwargs)
+    if share.params:
+        backend.adamw_update_(share, stats, scratch=scratch, grad_scale=unscale_into_grads, rounding_seed=share_seed)
+    if wide is not None:
+        reference.adamw_update_(wide, stats, grad_scale=unscale_into_grads, rounding_seed=seed)
     return stats[NORM], stats[SKIP]
 
 
@@ -290,10 +290,48 @@ def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, sto
     return sorted(wide)
 
 
-def _split(lists, wide: list[int]):
-    """(the lists without the ``wide`` indices, the ``wide`` entries with complex tensors as view_as_real)."""
-    wide_set = set(wide)
-    rest = tuple([x[i] for i in range(len(x)) if i not in wide_set] for x in lists)
-    as_real = lambda t: torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t  # noqa: E731
-    tensors = tuple([as_real(x[i]) for i in wide] for x in lists[:7])
-    return rest, (*tensors, [lists[7][i] for i in wide])
+def _shares(backend, batch: Batch, stochastic: bool) -> tuple[Batch, Batch | None]:
+    """(the backend's share of ``batch``, the reference passes' share or None), kept in ``batch.parts``.
+
+    The split is built once per batch, backend and rounding; a later step re-takes only the grads
+    and the group rows (what a plan patches into its batch), so the shares keep the identity of
+    their other lists (what the backends' memos key on).
+    """
+    key = (backend.NAME, stochastic)
+    entry = batch.parts.get(key)
+    if entry is None:
+        wide = fallback_indices(backend, batch.params, batch.exp_avgs, batch.masters, batch.moment_scales, stochastic)
+        if not wide:
+            entry = batch.parts[key] = ()
+        else:
+            wide_set = set(wide)
+            keep = [i for i in range(len(batch.params)) if i not in wide_set]
+            take_keep, take_wide = _taker(keep), _taker(wide)
+            lists = (batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps,
+                     batch.masters)
+            scales = batch.moment_scales
+            keep_scales = None if scales is None else take_keep(scales)
+            if keep_scales is not None and all(x is None for x in keep_scales):
+                keep_scales = None  # a backend without int8 moments never sees moment_scales
+            full = range(len(batch.params)) if batch.index is None else batch.index
+            share = Batch(*map(take_keep, lists), take_keep(batch.group_ids), batch.groups, keep_scales, take_keep(full))
+            wide_part = Batch(*([_as_real(t) for t in take_wide(x)] for x in lists), take_wide(batch.group_ids),
+                              batch.groups, None if scales is None else take_wide(scales), take_wide(full))
+            entry = batch.parts[key] = (share, wide_part, take_keep, take_wide)
+    if not entry:
+        return batch, None
+    share, wide_part, take_keep, take_wide = entry
+    share.grads = take_keep(batch.grads)
+    wide_part.grads = [_as_real(g) for g in take_wide(batch.grads)]
+    share.groups = wide_part.groups = batch.groups
+    return share, wide_part
+
+
+def _taker(indices: list[int]):
+    """``xs -> [xs[i] for i in indices]`` without a Python call per entry."""
+    return lambda xs: list(map(xs.__getitem__, indices))
+
+
+def _as_real(t):
+    """A complex tensor as its fp view (``view_as_real``, [note: wide params]); anything else as it is."""
+    return torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t

@@ -257,18 +257,15 @@ class FusedAmpAdamW(Optimizer):
             if self._partition_reducer is not None and needs_stats:  # [distributed] an empty ZeRO partition still joins
                 self._partition_reducer.join(self._device)
             return loss
-        lists = [plan.params, plan.grads, plan.exp_avgs, plan.exp_avg_sqs, plan.max_exp_avg_sqs, plan.masters]
-        reduce_stats = self._partition_reducer  # [distributed] a ZeRO partition's stats cover every partition
-        if _dtensor.is_dtensor(plan.params[0]):  # [distributed] all or none (add_param_group): local shards, global stats
-            lists, reduce_stats = _dtensor.localize(*lists)
+        batch, reduce_stats = plan.batch_for_step()
+        if not plan.is_dtensor:  # [distributed] a ZeRO partition's stats cover every partition
+            reduce_stats = self._partition_reducer
         backend = self._get_backend()
         seed = functional.rounding_seed(self._device) if self.stochastic_rounding else None
-        fallback = plan.fallback_for(backend, lists, seed is not None)  # what the reference passes serve
-        self.grad_norm, self._skipped = functional.run_step(
-            backend, *lists[:5], plan.steps, lists[5], plan.group_ids, plan.hypers(),
+        self.grad_norm, self._skipped = functional.run_step(backend, batch, functional.StepOptions(
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
             skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
-            scratch=plan.scratch, wide=fallback, moment_scales=plan.moment_scales, rounding_seed=seed)
+            scratch=plan.scratch, rounding_seed=seed))
         plan.release_grads()  # [note: grads held weakly] in _plan.py
         return loss
 

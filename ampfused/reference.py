@@ -7,13 +7,12 @@ the price is temporaries, which is fine for an oracle and a fallback.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import Tensor
 
 from . import _compact
-from ._contract import FACTOR, MASTER_ENCODINGS, SKIP, SUMSQ, compact_modes, finish_, inv_scale_of, master_encoding
+from ._contract import (FACTOR, MASTER_ENCODINGS, SKIP, SUMSQ, Batch, compact_modes, finish_, inv_scale_of,
+                        master_encoding)
 
 NAME = "reference"
 
@@ -27,10 +26,11 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
     main_grad.add_(grad)
 
 
-def grad_stats_(grads: Sequence[Tensor], grad_scale: Tensor | None, found_inf: Tensor | None,
+def grad_stats_(batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                 max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-    """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` in one pass
-    (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
+    """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` (``batch.grads``)
+    in one pass (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
+    grads = batch.grads
     inv_scale = inv_scale_of(grad_scale)
     sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
     bad = torch.zeros((), dtype=torch.bool, device=stats.device)
@@ -53,21 +53,23 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every encoding of ``_compact``
 
 
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                  rounding_seed: int | None = None, rounding_index=None) -> None:
+def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
+                  rounding_seed: int | None = None) -> None:
     """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed).
 
     Compact tensors (told by their dtypes, ``_contract.Backend``) step through
     ``_compact.compact_adamw_step_``, the specification of every encoding; the others through the fp32 step below.
     """
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = (
+        batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters)
+    group_ids, groups, moment_scales = batch.group_ids, batch.groups, batch.moment_scales
     keep = stats[SKIP] != 0
     factor = stats[FACTOR]
     inv_scale = inv_scale_of(grad_scale)
     for i in range(len(params)):
         scales = moment_scales[i] if moment_scales is not None else None
         if is_compact(params[i], exp_avgs[i], masters[i], scales, rounding_seed is not None):
-            index = i if rounding_index is None else rounding_index[i]  # [note: rounding bits] in _contract
+            index = i if batch.index is None else batch.index[i]  # [note: rounding bits] in _contract
             _compact_one(index, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
                          scales, groups[group_ids[i]], factor, stats[SKIP], rounding_seed)
         else:

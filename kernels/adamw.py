@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import struct
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import triton
@@ -354,27 +355,29 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0] if abs(x) < 3.4e38 else x
 
 
-@_runtime.launches_on(lambda *args, **kwargs: kwargs.get("stats", args[9] if len(args) > 9 else None).device)
-def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                  stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None, moment_scales=None,
-                  rounding_seed: int | None = None, rounding_index=None) -> None:
-    """One AdamW step over every tensor in one launch; see ``ampfused._contract.Backend`` for the contract.
+@_runtime.launches_on(lambda batch, stats, **kwargs: stats.device)
+def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
+                  rounding_seed: int | None = None) -> None:
+    """One AdamW step over every tensor of ``batch`` in one launch; see ``ampfused._contract.Backend`` for
+    the contract (``batch`` is an ``ampfused._contract.Batch``, read by its fields: this package
+    imports nothing of ampfused).
 
     Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
     told by the dtypes: int16 / int8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
     bf16 moments, or int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes whose block scales
     are ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
     ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
+    ``grad_scale`` comes as the caller normalised it (a 1-element fp32 tensor on the params' device).
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
     a step reads the grads' addresses and the group values only ([note: host time] in ``_tables``).
     """
+    params, grads = batch.params, batch.grads
     if not params:
         return
     device = params[0].device
-    if grad_scale is not None and (grad_scale.device != device or grad_scale.dtype != torch.float32):
-        grad_scale = grad_scale.to(device=device, dtype=torch.float32)
-    group_of, group_keys, slot_lrs, keep_alive = _group_rows(group_ids, groups, device)
-    lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index)
+    group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, device)
+    lists = (params, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters,
+             batch.moment_scales, batch.index)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
     if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):
@@ -501,17 +504,32 @@ def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
             slot = slot_of_lr[value] = len(slot_of_lr)
         if slot is not None:
             kind, value, addr = int(LR_SLOT), 0.0, slot
-    flags = (int(FLAG_AMSGRAD) if h.amsgrad else 0) | (int(FLAG_MAXIMIZE) if h.maximize else 0)
-    return (kind, float(value), addr, float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), flags)
+    # the caller's group row is converted already (ampfused._contract.Hyper): its values go in as they are
+    return GroupRow(value, h.beta1, h.beta2, h.eps, h.weight_decay, addr, kind, h.flags)
+
+
+class GroupRow(NamedTuple):
+    """One row of the group table: ``ampfused._contract.UPDATE_GROUP``'s fields, in its order (the
+    lr resolved to its kind: a slot, a tensor's address, or the value)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    lr_ptr: int
+    lr_kind: int
+    flags: int
 
 
 def _build_group_table(keys, device, keep_alive):
     host = torch.empty(len(keys), int(G_SIZE), dtype=torch.int64)
-    floats = torch.tensor([[k[1], k[3], k[4], k[5], k[6]] for k in keys], dtype=torch.float64).view(torch.int64)
+    floats = torch.tensor([k[:5] for k in keys], dtype=torch.float64).view(torch.int64)
     for j, column in enumerate((G_LR, G_BETA1, G_BETA2, G_EPS, G_WEIGHT_DECAY)):
         host[:, int(column)] = floats[:, j]
-    for j, column in ((2, G_LR_PTR), (0, G_LR_KIND), (7, G_FLAGS)):
-        host[:, int(column)] = torch.tensor([k[j] for k in keys], dtype=torch.int64)
+    ints = torch.tensor([k[5:] for k in keys], dtype=torch.int64)
+    for j, column in enumerate((G_LR_PTR, G_LR_KIND, G_FLAGS)):
+        host[:, int(column)] = ints[:, j]
     table, pinned = _tables.upload(host, device)
     return table, pinned, keep_alive
 
@@ -573,7 +591,7 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
         _tables.check(step, f"steps[{i}]", device, fp32)
         if step.numel() != 1:
             raise ValueError(f"steps[{i}] must be 0-d")
-        if group_keys[group_of[i]][7] & int(FLAG_AMSGRAD) and vmax is None:
+        if group_keys[group_of[i]].flags & int(FLAG_AMSGRAD) and vmax is None:
             raise ValueError(f"params[{i}] is in an amsgrad group but max_exp_avg_sqs[{i}] is None")
         for what, t in ((f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v), (f"max_exp_avg_sqs[{i}]", vmax), (f"masters[{i}]", master)):
             if t is not None and not _tables.same_flat_layout(t, p):

@@ -109,13 +109,14 @@ def _grad_stats_kernel(rows, chunks, grad_scale_ptr, found_inf_ptr, stats_ptr, p
         tl.store(retired_ptr, 0)
 
 
-@_runtime.launches_on(lambda grads, grad_scale, found_inf, max_grad_norm, stats, scratch=None, **kwargs: stats.device)
-def grad_stats_(grads, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None,
+@_runtime.launches_on(lambda batch, grad_scale, found_inf, max_grad_norm, stats, scratch=None, **kwargs: stats.device)
+def grad_stats_(batch, grad_scale: Tensor | None, found_inf: Tensor | None, max_grad_norm: float | None,
                 stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-    """Sum of squares, non-finite flag and finish into ``stats``; one launch, no host sync.
+    """Sum of squares, non-finite flag and finish of ``batch.grads`` into ``stats``; one launch, no host sync.
 
     ``scratch``: the caller's counters and partials, and a memo of its tables (``_tables.ScratchRows``).
     """
+    grads = batch.grads
     device = stats.device
     memo = scratch.memo.get(("stats", device)) if scratch is not None else None
     rows = memo[1].for_grads(grads) if memo is not None else None

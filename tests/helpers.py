@@ -172,10 +172,16 @@ def compact_update(backend, entries, amsgrad=False, maximize=False, factor=1.0, 
     lists = update_lists(entries)
     stats = torch.zeros(4, device=entries[0][0].device)
     stats[FACTOR], stats[SKIP] = factor, skip
-    backend.adamw_update_(
-        lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"],
-        lists["masters"], [0] * len(entries), [compact_hyper(amsgrad, maximize)], stats, grad_scale=grad_scale,
-        moment_scales=lists["moment_scales"], rounding_seed=rounding_seed)
+    backend.adamw_update_(batch_of(lists, [0] * len(entries), [compact_hyper(amsgrad, maximize)]), stats,
+                          grad_scale=grad_scale, rounding_seed=rounding_seed)
+
+
+def batch_of(lists, group_ids, groups):
+    """The ``_contract.Batch`` the backends' passes take, from ``update_lists``' dict."""
+    from ampfused._contract import Batch
+
+    return Batch(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"],
+                 lists["steps"], lists["masters"], group_ids, groups, lists.get("moment_scales"))
 
 
 def decoded_twin(entry):

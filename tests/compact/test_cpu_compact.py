@@ -15,7 +15,7 @@ import torch
 
 from ampfused import _compact as C
 from ampfused import _compiled
-from ampfused._contract import FACTOR, SKIP, Hyper
+from ampfused._contract import FACTOR, SKIP, Batch, Hyper
 
 BACKEND, WHY = _compiled.get_backend("cpu")
 pytestmark = pytest.mark.skipif(BACKEND is None, reason=f"compiled backend unavailable: {WHY}")
@@ -65,12 +65,12 @@ def run_native(cases, hypers, st, *, grad_scale=None, rounding_seed=None, master
     """cases: (param, grad, state, group index, master_weights). Calls the backend once for the list."""
     masters = [s.get(MASTER_KEY[mw]) if MASTER_KEY[mw] else None for _, _, s, _, mw in cases]
     scales = [moment_scales(c[2]) for c in cases]
-    BACKEND.adamw_update_(
+    BACKEND.adamw_update_(Batch(
         [c[0] for c in cases], [c[1] for c in cases], [moment(c[2], "exp_avg") for c in cases],
         [moment(c[2], "exp_avg_sq") for c in cases], [moment(c[2], "max_exp_avg_sq") for c in cases],
-        [c[2]["step"] for c in cases], masters, [c[3] for c in cases], hypers, st,
-        grad_scale=grad_scale, rounding_seed=rounding_seed,
-        moment_scales=scales if any(s is not None for s in scales) else None)
+        [c[2]["step"] for c in cases], masters, [c[3] for c in cases], hypers,
+        scales if any(s is not None for s in scales) else None), st,
+        grad_scale=grad_scale, rounding_seed=rounding_seed)
 
 
 def moment(state, key):
@@ -381,7 +381,7 @@ def bad_call(masters=None, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.f
     step = torch.tensor(0.0)
     hypers = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]
     with pytest.raises(Exception) as info:
-        BACKEND.adamw_update_([p], [torch.ones(300, dtype=param_dtype)], [m], [v], [None], [step], [masters], [0], hypers, stats())
+        BACKEND.adamw_update_(Batch([p], [torch.ones(300, dtype=param_dtype)], [m], [v], [None], [step], [masters], [0], hypers), stats())
     same_bits(p, p0, "param untouched")
     assert float(step) == 0.0
     return str(info.value)
@@ -418,9 +418,9 @@ def test_bad_int8_scales_are_refused_before_anything_is_written(bad):
     before = [(p.clone(), clone_state(s)) for p, _, s, _, _ in cases]
     hypers = [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]
     with pytest.raises(RuntimeError, match="moment_scales"):
-        BACKEND.adamw_update_([c[0] for c in cases], [c[1] for c in cases], [moment(c[2], "exp_avg") for c in cases],
-                              [moment(c[2], "exp_avg_sq") for c in cases], [None, None], [c[2]["step"] for c in cases],
-                              [c[2]["master_residual8"] for c in cases], [0, 0], hypers, stats(), moment_scales=scales)
+        BACKEND.adamw_update_(Batch([c[0] for c in cases], [c[1] for c in cases], [moment(c[2], "exp_avg") for c in cases],
+                                    [moment(c[2], "exp_avg_sq") for c in cases], [None, None], [c[2]["step"] for c in cases],
+                                    [c[2]["master_residual8"] for c in cases], [0, 0], hypers, scales), stats())
     for (p, _, s, _, _), (p0, s0) in zip(cases, before):
         same_bits(p, p0, "param")
         for key in s:

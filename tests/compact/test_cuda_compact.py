@@ -19,7 +19,7 @@ from ampfused import _compact as C
 from ampfused import _compiled, functional, reference
 from helpers import assert_same_state, same_bits
 from helpers import clone_compact as clone, decoded_twin as fp32_twin
-from helpers import COMPACT_HYPER, MASTER_KEYS, compact_entry, compact_hyper, compact_update, update_lists
+from helpers import COMPACT_HYPER, MASTER_KEYS, batch_of, compact_entry, compact_hyper, compact_update, update_lists
 
 if not torch.cuda.is_available():
     BACKEND, WHY = None, "needs a CUDA GPU; this machine has none"
@@ -314,13 +314,10 @@ def test_bad_compact_state_is_refused_before_writing():
     lists = lists_of([(param, grad, state)])
     stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=DEVICE)
     with pytest.raises(RuntimeError, match="moment_scales"):
-        BACKEND.adamw_update_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                              lists["max_exp_avg_sqs"], lists["steps"], lists["masters"], [0], [hyper()], stats)
+        BACKEND.adamw_update_(batch_of({**lists, "moment_scales": None}, [0], [hyper()]), stats)
     short = [(s[0][:-1], s[1], s[2]) for s in lists["moment_scales"]]
     with pytest.raises(RuntimeError, match="scales"):
-        BACKEND.adamw_update_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                              lists["max_exp_avg_sqs"], lists["steps"], lists["masters"], [0], [hyper()], stats,
-                              moment_scales=short)
+        BACKEND.adamw_update_(batch_of({**lists, "moment_scales": short}, [0], [hyper()]), stats)
     sync()
     assert_same_state((param, grad, state), before, "refused")
 

@@ -60,14 +60,16 @@ def address(t):
 class EmulatedCuda:
     """adamw_update_ of the Backend protocol over the emulated compact chunks (as the op's checks
     build the records: ops_common.cpp)."""
+    NAME = "cuda-emulated"
     COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})
 
     def __init__(self, lib):
         self.lib = lib
 
-    def adamw_update_(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups,
-                      stats, *, scratch=None, grad_scale=None, moment_scales=None, rounding_seed=None,
-                      rounding_index=None):
+    def adamw_update_(self, batch, stats, *, scratch=None, grad_scale=None, rounding_seed=None):
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, groups, moment_scales = (
+            batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps,
+            batch.masters, batch.group_ids, batch.groups, batch.moment_scales)
         if float(stats[SKIP]) != 0.0:
             return
         factor = float(stats[FACTOR])
@@ -86,7 +88,7 @@ class EmulatedCuda:
                 group=group_ids[i], aligned=int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
                 master_kind=MASTER_KIND[master.dtype] if master is not None else _contract.MASTER_F32,
                 moment_kind=MOMENT_KIND[exp_avgs[i].dtype], stochastic=int(rounding_seed is not None),
-                index=i if rounding_index is None else rounding_index[i])
+                index=i if batch.index is None else batch.index[i])
             self.lib.emulated_update(
                 ctypes.byref(record), ctypes.c_double(float(h.lr)), ctypes.c_double(h.beta1), ctypes.c_double(h.beta2),
                 ctypes.c_double(h.eps), ctypes.c_double(h.weight_decay), ctypes.c_float(-factor if h.maximize else factor),

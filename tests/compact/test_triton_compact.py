@@ -14,7 +14,7 @@ from ampfused import _compact as C
 from helpers import assert_same_state, same_bits
 from helpers import clone_compact as clone, decoded_twin as fp32_twin
 from helpers import DEVICE
-from helpers import COMPACT_HYPER, compact_entry, compact_hyper, compact_update, update_lists
+from helpers import COMPACT_HYPER, batch_of, compact_entry, compact_hyper, compact_update, update_lists
 
 kernels, _reason = _backends.probe("triton")
 if kernels is None or kernels.supports(DEVICE):
@@ -261,13 +261,10 @@ def test_bad_compact_state_is_refused_before_writing():
     lists = lists_of([(param, grad, state)])
     stats = torch.tensor([0.0, 0.0, 1.0, 0.0], device=DEVICE)
     with pytest.raises(ValueError, match="moment_scales"):
-        kernels.adamw_update_(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                              lists["max_exp_avg_sqs"], lists["steps"], lists["masters"], [0], [hyper()], stats)
+        kernels.adamw_update_(batch_of({**lists, "moment_scales": None}, [0], [hyper()]), stats)
     with pytest.raises(TypeError, match="split16"):
         low = torch.zeros(LARGE, dtype=torch.int16, device=DEVICE)
-        kernels.adamw_update_([param.float()], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                              lists["max_exp_avg_sqs"], lists["steps"], [low], [0], [hyper()], stats,
-                              moment_scales=lists["moment_scales"])
+        kernels.adamw_update_(batch_of({**lists, "params": [param.float()], "masters": [low]}, [0], [hyper()]), stats)
     assert_same_state((param, grad, state), before, "refused")
 
 

@@ -13,7 +13,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, _compiled
-from ampfused._contract import Hyper
+from ampfused._contract import Batch, Hyper
 
 OUT = sys.argv[1]
 cpu = _backends.resolve("cpu", torch.device("cpu"))[0]
@@ -44,10 +44,10 @@ def main():
         grads = [(torch.randn(n, generator=gen) * 5).to(gd) for n in SIZES]
         for scale in (None, torch.tensor([1024.0])):
             stats = torch.zeros(4)
-            cpu.grad_stats_(grads, scale, None, 1.0, stats)
+            cpu.grad_stats_(Batch.of_grads(grads), scale, None, 1.0, stats)
             out[f"stats-{gd}-{scale is not None}"] = stats
         stats = torch.zeros(4)
-        cpu.grad_stats_([special_values(5000, gd, gen)[1000:]], None, None, None, stats)  # non-finite: skip flag
+        cpu.grad_stats_(Batch.of_grads([special_values(5000, gd, gen)[1000:]]), None, None, None, stats)  # non-finite: skip flag
         out[f"stats-bad-{gd}"] = stats
     for pd in DTYPES:
         for gd in DTYPES:
@@ -64,7 +64,7 @@ def main():
                     steps = [torch.tensor(float(i)) for i in range(len(SIZES))]
                     masters = [special_values(n, torch.float32, gen) for n in SIZES] if master else [None] * len(SIZES)
                     hyper = Hyper(1e-2, 0.9, 0.999, 1e-8, 0.01, amsgrad, False)
-                    cpu.adamw_update_(params, grads, m, v, vmax, steps, masters, [0] * len(SIZES), [hyper],
+                    cpu.adamw_update_(Batch(params, grads, m, v, vmax, steps, masters, [0] * len(SIZES), [hyper]),
                                       torch.tensor([0.0, 0.0, 0.5, 0.0]))
                     key = f"upd-{pd}-{gd}-{master}-{amsgrad}"
                     out[key] = [params, m, v, vmax, steps, masters]
@@ -73,8 +73,8 @@ def main():
         masters = [special_values(n, torch.float32, gen) for n in SIZES]
         params = [torch.zeros(n, dtype=pd) for n in SIZES]
         zeros = [[torch.zeros(n) for n in SIZES] for _ in range(3)]
-        cpu.adamw_update_(params, zeros[0], zeros[1], zeros[2], [None] * len(SIZES), [torch.zeros(()) for _ in SIZES],
-                          masters, [0] * len(SIZES), [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)],
+        cpu.adamw_update_(Batch(params, zeros[0], zeros[1], zeros[2], [None] * len(SIZES), [torch.zeros(()) for _ in SIZES],
+                                masters, [0] * len(SIZES), [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)]),
                           torch.tensor([0.0, 0.0, 1.0, 0.0]))
         out[f"write-back-{pd}"] = (masters, params)
     compact_steps(out, gen)

@@ -221,7 +221,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         return kernel
 
     JITFunction.run = warmup_instead
-    from ampfused._contract import INT8_BLOCK, Hyper
+    from ampfused._contract import INT8_BLOCK, Batch, Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
     assert not _runtime.INTERPRET, "TRITON_INTERPRET is set: these would be interpreter sizes"
@@ -229,13 +229,13 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
     for dtype in (torch.float32, torch.bfloat16):
         grads = [torch.ones(n, dtype=dtype) for n in numels]
         for has_scale, has_found, clip in ((False, False, None), (True, False, 1.0), (True, True, None), (False, False, 1.0)):
-            stats.grad_stats_(grads, torch.ones(()) if has_scale else None, torch.zeros(()) if has_found else None,
+            stats.grad_stats_(Batch.of_grads(grads), torch.ones(()) if has_scale else None, torch.zeros(()) if has_found else None,
                               clip, torch.zeros(4))
     params = [torch.zeros(n) for n in numels]
     fp32 = lambda: [torch.zeros(n) for n in numels]  # noqa: E731
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, False, False)
-    adamw.adamw_update_(params, fp32(), fp32(), fp32(), [None] * 4, [torch.zeros(()) for _ in numels], [None] * 4,
-                        [0] * 4, [hyper], torch.zeros(4))
+    adamw.adamw_update_(Batch(params, fp32(), fp32(), fp32(), [None] * 4, [torch.zeros(()) for _ in numels], [None] * 4,
+                              [0] * 4, [hyper]), torch.zeros(4))
     compact_updates(adamw, hyper, numels)
     for min_scale in (None, 1.0):
         scaler.scaler_update_(torch.zeros(()), torch.ones(()), torch.zeros((), dtype=torch.int32),
@@ -275,7 +275,7 @@ def compact_updates(adamw, hyper, numels):
     """The update's compact variants (DESIGN §9): split16 alone (the most common), bf16 moments with
     stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
     import torch
-    from ampfused._contract import INT8_BLOCK
+    from ampfused._contract import INT8_BLOCK, Batch
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
         p = torch.zeros(n, dtype=param_dtype)
@@ -290,9 +290,9 @@ def compact_updates(adamw, hyper, numels):
 
     def launch(configs, seed=None):
         rows = [tensors(*config, n) for config, n in zip(configs, numels)]
-        adamw.adamw_update_([r[0] for r in rows], [r[1] for r in rows], [r[2][0] for r in rows], [r[2][1] for r in rows],
-                            [None] * len(rows), [torch.zeros(()) for _ in rows], [r[3] for r in rows], [0] * len(rows),
-                            [hyper], torch.zeros(4), moment_scales=[r[4] for r in rows], rounding_seed=seed)
+        adamw.adamw_update_(Batch([r[0] for r in rows], [r[1] for r in rows], [r[2][0] for r in rows], [r[2][1] for r in rows],
+                                  [None] * len(rows), [torch.zeros(()) for _ in rows], [r[3] for r in rows], [0] * len(rows),
+                                  [hyper], [r[4] for r in rows]), torch.zeros(4), rounding_seed=seed)
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     launch([(bf16, torch.int16, fp32)] * 4)

@@ -11,7 +11,7 @@ import torch
 
 import ampfused
 from ampfused import _compiled, reference
-from ampfused._contract import Hyper
+from ampfused._contract import Batch, Hyper
 import testing_extension
 from test_passes import assert_update_close, make_tensors as _make_tensors
 
@@ -175,8 +175,8 @@ def test_cuda_graph_capture_of_both_passes():
     scale = torch.tensor([2.0], device="cuda")
 
     def step(b, ts):
-        b.grad_stats_(ts[1], scale, None, 1.0, stats)
-        b.adamw_update_(*ts, [0, 0, 0], hypers[:1], stats)
+        b.grad_stats_(Batch.of_grads(ts[1]), scale, None, 1.0, stats)
+        b.adamw_update_(Batch(*ts, [0, 0, 0], hypers[:1]), stats)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -228,8 +228,8 @@ def test_fp16_conversions_are_exact_for_every_bit_pattern(device, flush_denormal
     params = torch.zeros(masters.numel(), dtype=torch.float16, device=device)
     zeros = [torch.zeros_like(masters) for _ in range(3)]
     no_change = Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)  # lr 0, zero grads: the master stays put
-    backend.adamw_update_([params], [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=device)],
-                          [masters], [0], [no_change], torch.tensor([0.0, 0.0, 1.0, 0.0], device=device))
+    backend.adamw_update_(Batch([params], [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=device)],
+                                [masters], [0], [no_change]), torch.tensor([0.0, 0.0, 1.0, 0.0], device=device))
     assert torch.equal(masters, weights)
     assert torch.equal(params.view(torch.int16), weights.to(torch.float16).view(torch.int16))
 

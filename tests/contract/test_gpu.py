@@ -10,7 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, reference
-from ampfused._contract import Hyper
+from ampfused._contract import Batch, Hyper
 
 pytestmark = pytest.mark.gpu
 
@@ -149,8 +149,8 @@ def test_large_and_many_tensors_match_reference(backend):
     want = {k: [None if t is None else t.clone() for t in v] for k, v in state.items()}
     stats = torch.tensor([0.0, 0.0, 0.3, 0.0], device="cuda")  # norm, skip, factor, sumsq
     group_ids = [i % 2 for i in range(len(sizes))]
-    module.adamw_update_(*state.values(), group_ids, hypers, stats)
-    reference.adamw_update_(*want.values(), group_ids, hypers, stats)
+    module.adamw_update_(Batch(*state.values(), group_ids, hypers), stats)
+    reference.adamw_update_(Batch(*want.values(), group_ids, hypers), stats)
     for key in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps"):
         for a, b in zip(state[key], want[key]):
             if b is not None:
@@ -163,7 +163,7 @@ def test_large_and_many_tensors_match_reference(backend):
     sums = []
     for _ in range(10):
         stats = torch.zeros(4, device="cuda")
-        module.grad_stats_(state["grads"], torch.tensor([2.0], device="cuda"), None, None, stats)
+        module.grad_stats_(Batch.of_grads(state["grads"]), torch.tensor([2.0], device="cuda"), None, None, stats)
         sumsq = stats[3]
         sums.append(sumsq)
     exact = sum(float(g.double().mul(0.5).pow(2).sum()) for g in state["grads"])

@@ -12,7 +12,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, _compiled, reference
-from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Hyper
+from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper
 from ampfused.functional import group_hypers
 import testing_extension
 from helpers import DEVICE
@@ -71,8 +71,8 @@ def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misali
 
 def run_both(name, tensors, hypers, factor=0.5, skip=0.0):
     expected = copy.deepcopy(tensors)
-    module(name).adamw_update_(*tensors, *group_hypers(hypers), stats_vector(factor, skip))
-    reference.adamw_update_(*expected, *group_hypers(hypers), stats_vector(factor, skip))
+    module(name).adamw_update_(Batch(*tensors, *group_hypers(hypers)), stats_vector(factor, skip))
+    reference.adamw_update_(Batch(*expected, *group_hypers(hypers)), stats_vector(factor, skip))
     return tensors, expected
 
 
@@ -136,8 +136,8 @@ def test_update_float_lrs_change_every_step(backend):
     expected = copy.deepcopy(tensors)
     for k in range(3):
         hypers = [Hyper(1e-3 * (1 + i) / (k + 1) + 1e-9 * k, 0.9, 0.999, 1e-8, 0.01, False, False) for i in range(len(sizes))]
-        module(backend).adamw_update_(*tensors, *group_hypers(hypers), stats_vector())
-        reference.adamw_update_(*expected, *group_hypers(hypers), stats_vector())
+        module(backend).adamw_update_(Batch(*tensors, *group_hypers(hypers)), stats_vector())
+        reference.adamw_update_(Batch(*expected, *group_hypers(hypers)), stats_vector())
     assert_update_close(tensors, expected)
 
 
@@ -185,7 +185,7 @@ def test_skip_leaves_everything_bitwise_unchanged(backend, amsgrad, skip):
     tensors = make_tensors(SIZES, torch.bfloat16, torch.float32, True, amsgrad, seed=6)
     before = copy.deepcopy(tensors)
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, amsgrad, False)
-    module(backend).adamw_update_(*tensors, [0] * len(SIZES), [hyper], stats_vector(0.5, skip))
+    module(backend).adamw_update_(Batch(*tensors, [0] * len(SIZES), [hyper]), stats_vector(0.5, skip))
     for got_list, want_list in zip(tensors, before):
         for got, want in zip(got_list, want_list):
             assert (got is None and want is None) or torch.equal(got, want)
@@ -202,8 +202,8 @@ def test_repeated_steps_and_reallocated_tensors(backend):
         for g, g_ref in zip(tensors[1], expected[1]):
             g.normal_()
             g_ref.copy_(g)
-        module(backend).adamw_update_(*tensors, [0, 0], [hyper], stats_vector())
-        reference.adamw_update_(*expected, [0, 0], [hyper], stats_vector())
+        module(backend).adamw_update_(Batch(*tensors, [0, 0], [hyper]), stats_vector())
+        reference.adamw_update_(Batch(*expected, [0, 0], [hyper]), stats_vector())
     assert_update_close(tensors, expected)
     assert [t.item() for t in tensors[5]] == [4.0, 5.0]
 
@@ -224,8 +224,8 @@ def test_param_write_back_rounds_to_nearest_even(backend, dtype):
     masters = [master.clone()]
     params = [torch.zeros(n, dtype=dtype, device=DEVICE)]
     zeros = [torch.zeros(n, device=DEVICE) for _ in range(3)]
-    module(backend).adamw_update_(params, [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=DEVICE)],
-                                  masters, [0], [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)], stats_vector())
+    module(backend).adamw_update_(Batch(params, [zeros[0]], [zeros[1]], [zeros[2]], [None], [torch.zeros((), device=DEVICE)],
+                                        masters, [0], [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, False, False)]), stats_vector())
     assert torch.equal(masters[0].view(torch.int32), master.view(torch.int32))
     want = master.to(dtype)
     same = (params[0].view(torch.int16) == want.view(torch.int16)) | (params[0].isnan() & want.isnan())
@@ -237,7 +237,7 @@ def test_param_write_back_rounds_to_nearest_even(backend, dtype):
 
 def stats_of(name, grads, grad_scale=None, found_inf=None, max_grad_norm=None):
     stats = torch.full((STATS_SIZE,), 7.0, device=DEVICE)  # every slot is overwritten
-    module(name).grad_stats_(grads, grad_scale, found_inf, max_grad_norm, stats)
+    module(name).grad_stats_(Batch.of_grads(grads), grad_scale, found_inf, max_grad_norm, stats)
     return stats
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ampfused import _backends
+from ampfused._contract import Batch
 from helpers import DEVICE
 
 kernels, _reason = _backends.probe("triton")
@@ -31,9 +32,9 @@ def test_layout_is_keyed_by_sizes_and_rows_by_addresses():
     _tables.clear()
     grads = [torch.randn(97), torch.randn(2049)]
     stats = torch.zeros(4)
-    kernels.grad_stats_(grads, None, None, None, stats)
+    kernels.grad_stats_(Batch.of_grads(grads), None, None, None, stats)
     layouts, rows = dict(_tables._cache["stats-layout"]), dict(_tables._cache["stats-rows"])
-    kernels.grad_stats_([g.clone() for g in grads], None, None, None, stats)
+    kernels.grad_stats_(Batch.of_grads([g.clone() for g in grads]), None, None, None, stats)
     assert dict(_tables._cache["stats-layout"]) == layouts  # same entries, nothing rebuilt
     assert len(_tables._cache["stats-rows"]) == len(rows) + 1
 
@@ -89,12 +90,12 @@ def test_tables_built_during_capture_are_kept_and_never_served_eagerly(monkeypat
 
 
 def test_update_rejects_state_laid_out_unlike_its_param():
-    from ampfused._contract import Hyper
+    from ampfused._contract import Batch, Hyper
 
     param = torch.zeros(4, 6)
     with pytest.raises(ValueError, match="laid out in memory"):
-        kernels.adamw_update_([param], [torch.zeros(4, 6)], [torch.zeros(6, 4).t()], [torch.zeros(4, 6)], [None],
-                              [torch.zeros(())], [None], [0], [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)],
+        kernels.adamw_update_(Batch([param], [torch.zeros(4, 6)], [torch.zeros(6, 4).t()], [torch.zeros(4, 6)], [None],
+                                    [torch.zeros(())], [None], [0], [Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)]),
                               torch.zeros(4))
 
 
@@ -205,7 +206,7 @@ def test_kernels_compile_for_a_gpu_without_one():
 def test_float_lr_changing_every_step_uploads_no_table():
     """A scheduler assigning a new float lr each step: the lr travels as kernel arguments, so the
     group table (and every other table) is found in the cache, nothing is built."""
-    from ampfused._contract import Hyper
+    from ampfused._contract import Batch, Hyper
 
     _tables.clear()
     params, grads = [torch.randn(300), torch.randn(7)], [torch.randn(300), torch.randn(7)]
@@ -222,7 +223,7 @@ def test_float_lr_changing_every_step_uploads_no_table():
         for k in range(4):
             hypers = [Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.01, False, False),
                       Hyper(1e-3 / (k + 1), 0.9, 0.999, 1e-8, 0.0, False, False)]  # decay / no-decay groups
-            kernels.adamw_update_(params, grads, state[0], state[1], [None, None], steps, [None, None], [0, 1], hypers,
+            kernels.adamw_update_(Batch(params, grads, state[0], state[1], [None, None], steps, [None, None], [0, 1], hypers),
                                   torch.tensor([0.0, 0.0, 1.0, 0.0]))
             if k == 0:
                 first = list(built)

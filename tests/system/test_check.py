@@ -64,17 +64,16 @@ def fake_backend(**overrides):
     return fake
 
 
-def one_element_off(params, *args, **kwargs):
-    reference.adamw_update_(params, *args, **kwargs)
+def one_element_off(batch, *args, **kwargs):
+    reference.adamw_update_(batch, *args, **kwargs)
     with torch.no_grad():
-        params[0].view(-1)[5] += 1e-3
+        batch.params[0].view(-1)[5] += 1e-3
 
 
-def ignores_the_skip_flag(params, grads, *args, **kwargs):
-    *lists, groups, stats = args
+def ignores_the_skip_flag(batch, stats, **kwargs):
     stats = stats.clone()
     stats[SKIP] = 0
-    reference.adamw_update_(params, grads, *lists, groups, stats, **kwargs)
+    reference.adamw_update_(batch, stats, **kwargs)
 
 
 def scale_off_by_an_ulp(found_inf, scale, *args, **kwargs):
