@@ -46,8 +46,14 @@ LR_KIND_OF = {torch.float32: int(LR_F32), torch.float64: int(LR_F64), torch.floa
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
 
 
+# The block of an unaligned tensor has another shape than the aligned block: the compiler gives
+# every access of one shape the widest vector layout among them, and the stores of an unaligned
+# tensor, which move one element at a time, would then convert each value through shared memory
+# (and spill in the block loop). Half a block, still whole int8 scale blocks.
+UNALIGNED_BLOCK = tl.constexpr(max(_runtime.UPDATE_BLOCK // 2, int(INT8_BLOCK)))
 # [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
 assert _runtime.CHUNK % int(INT8_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(INT8_BLOCK) == 0
+assert _runtime.UPDATE_BLOCK % int(UNALIGNED_BLOCK) == 0 and int(UNALIGNED_BLOCK) % int(INT8_BLOCK) == 0
 
 
 @triton.jit
@@ -159,8 +165,8 @@ def _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK: tl.const
         _chunk_update(start, end, t, s, key, param_dtype, BLOCK, True, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
                       BF16_STATE, INT8_STATE, SR)
     else:
-        _chunk_update(start, end, t, s, key, param_dtype, BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
-                      BF16_STATE, INT8_STATE, SR)
+        _chunk_update(start, end, t, s, key, param_dtype, UNALIGNED_BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+                      SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
 @triton.jit
