@@ -1,8 +1,8 @@
-"""Loads and stores of compact optimizer state for the update pass (DESIGN §9).
+"""Loads and stores of the update pass's optimizer state, plain and compact (DESIGN §9).
 
-The update kernel's compact variants (``adamw.py``) decode a block of state to fp32, run the fp32
-math unchanged, and encode it back with the functions of ``compact.py`` (tested bitwise against
-``ampfused/_compact.py``). Which encoding a tensor uses is a per-row code of the row table, uniform
+The update kernel (``adamw.py``) reads a block of state through the tensor's row (``adamw.Row``),
+decoded to fp32, runs the fp32 math, and encodes it back with the functions of ``compact.py``
+(tested bitwise against ``ampfused/_compact.py``). Which encoding a tensor uses is a per-row code of the row table, uniform
 within a program; which encodings a launch can meet are constexprs, so a launch without compact
 tensors compiles to the plain kernel.
 

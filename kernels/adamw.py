@@ -60,7 +60,7 @@ assert _runtime.UPDATE_BLOCK % int(UNALIGNED_BLOCK) == 0 and int(UNALIGNED_BLOCK
 def _bias_corrections(beta1, beta2, step):
     """(1 - beta1 ** step, sqrt(1 - beta2 ** step)) in fp64 for an integer-valued fp32 step.
 
-    [note: pow] beta ** step by squaring in fp64: within a few fp64 ulp of torch.pow (so the fp32
+    beta ** step by squaring in fp64: within a few fp64 ulp of torch.pow (so the fp32
     roundings torch applies come out the same) and free of libdevice. An fp32
     exp2(step * log2(beta)) would put a ~1e-4 relative error on 1 - beta2 ** step at step 1, and
     fp64 exp2 needs libdevice.
@@ -263,7 +263,7 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
             _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK, EMULATE_FMA, WRITE_GRAD, False, False,
                             BF16_STATE, INT8_STATE, SR)
 
-        # [note: steps advance last] Every program of a tensor reads its step counter above, so no
+        # Steps advance last: every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
         # last ticket advances every counter and resets the ticket counter for the next launch.
         tl.debug_barrier()
@@ -337,8 +337,8 @@ def adamw_update_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, 
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
         **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
-        **({"maxnreg": _runtime.update_maxnreg(split8, int8_state)} if _runtime.UPDATE_MAXNREG else {}),
-        # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
+        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
+        # No implicit FMA: torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         # Fusion off is also what keeps `beta * 0.0 + 1.0` (a run-time fp64 one) exact; the kernel
         # tests no finiteness itself (stats[SKIP] comes from the stats pass). tests/contract/sm90_compile.py

@@ -1,6 +1,6 @@
 """Compile every GPU kernel for sm_90 offline and check what only a GPU would show.
 
-    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md]      (exit 1 on a failed rule)
+    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md] [--keep DIR]   (exit 1 on a failed rule)
 
 No GPU is needed. Triton: a fake active driver reports ``GPUTarget("cuda", 90, 32)`` and every
 kernel launch of the real wrappers (``ampfused.kernels``, called on CPU tensors with the GPU block
@@ -19,7 +19,9 @@ Rules (each failure is printed; see [note: rules]):
            contracts; the scaler's PTX has no fma at all.
   spills   no local-memory load/store (LDL/STL) inside an innermost loop of the SASS (a backward
            branch with no other loop inside): loop-invariant scalars may spill, the streaming
-           loops may not.
+           loops may not. Every update variant is compiled with and without WRITE_GRAD.
+  vectors  every Triton update variant has an aligned block loop with 128-bit loads and stores, and
+           no aligned block loop moves 8- or 16-bit scalars ([note: vector rule]).
   budget   registers and shared memory per kernel at most BUDGET below.
   pow      no ``__internal_accurate_pow`` in the CUDA update kernel.
   global   no generic LD/ST in the CUDA update and stats kernels: tensor data moves with LDG/STG
@@ -50,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's ampfused, not an installed one: one source tree for both compilers
 # [note: budgets] registers per thread / static shared memory per block (bytes). The update kernel
-# runs under maxnreg=72 (80 for its split8 and int8-moment variants); the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
+# runs under maxnreg=72, every variant; the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
           "_accumulate_kernel": (64, 16384), "stats_kernel": (64, 4096), "update_kernel": (64, 4096),
           "scaler_update_kernel": (64, 1024), "accumulate_kernel": (64, 1024)}
@@ -478,8 +480,6 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
 
 def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
-    if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
-        max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
     if name == "update_kernel" and "compact" in config:
         max_regs = 128  # a lane's whole group ([note: compact registers] in csrc/cuda/compact_update.cuh)
     out = []
