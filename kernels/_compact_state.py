@@ -251,24 +251,11 @@ def store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v
     """The update's writes: moments in their encoding, the param with its master (split or fp32),
     or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
     ``key`` is the program's random key ([note: random bits])."""
+    # the param first: its random word (word1, shared with max_exp_avg_sq) dies before the moments'
+    # word0 is made, so a block holds one word at a time
+    word1 = 0
     if SR:
-        word0, word1 = random_words(offs, key, True)
-    else:
-        word0 = 0
-        word1 = 0
-    if BF16_STATE or INT8_STATE:
-        store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED, BF16_STATE,
-                     INT8_STATE, True, SR)
-        store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
-                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-        if amsgrad:
-            store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
-                         v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-    else:
-        tl.store(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
-        tl.store(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
-        if amsgrad:
-            tl.store(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v_max, mask=mask)
+        _, word1 = random_words(offs, key, True)
     if SPLIT16 or SPLIT8:
         if SPLIT16 and SPLIT8:
             if t.master_kind == MASTER_SPLIT16:
@@ -289,3 +276,19 @@ def store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v
             store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
     else:
         store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
+    if BF16_STATE or INT8_STATE:
+        if amsgrad:
+            store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
+                         v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+        word0 = 0
+        if SR:
+            word0, _ = random_words(offs, key, False)
+        store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED, BF16_STATE,
+                     INT8_STATE, True, SR)
+        store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
+                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+    else:
+        tl.store(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
+        tl.store(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
+        if amsgrad:
+            tl.store(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v_max, mask=mask)
