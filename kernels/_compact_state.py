@@ -1,16 +1,18 @@
-"""Loads and stores of compact optimizer state for the update pass (DESIGN §9).
+"""Loads and stores of the update pass's optimizer state, plain and compact (DESIGN §9).
 
-The update kernel's compact variants (``adamw.py``) decode a block of state to fp32, run the fp32
-math unchanged, and encode it back with the functions of ``compact.py`` (tested bitwise against
-``ampfused/_compact.py``). Which encoding a tensor uses is a per-row code of the row table, uniform
+The update kernel (``adamw.py``) reads a block of state through the tensor's row (``adamw.Row``),
+decoded to fp32, runs the fp32 math, and encodes it back with the functions of ``compact.py``
+(tested bitwise against ``ampfused/_compact.py``). Which encoding a tensor uses is a per-row code of the row table, uniform
 within a program; which encodings a launch can meet are constexprs, so a launch without compact
 tensors compiles to the plain kernel.
 
 [note: int8 blocks] int8 moments have one scale per INT8_BLOCK consecutive elements. Chunks and
-blocks start on multiples of it within a tensor, so a block of the int8 variant is a [BLOCK // INT8_BLOCK, INT8_BLOCK]
-tile of whole scale blocks: decode with the old scales, update, take the new block maxima along
-axis 1 (NaN-propagating, as ``amax``), encode, store codes and scales. Elements past the end of the
-tensor count as 0, as the specification's padding.
+blocks start on multiples of it within a tensor, so a block holds whole scale blocks: decode with
+the old scales (each element reads its own), update, take the new block maxima (NaN-propagating,
+as ``amax``) over a [BLOCK // INT8_BLOCK, INT8_BLOCK] view, encode, store codes and scales.
+Elements past the end of the tensor count as 0, as the specification's padding. The block itself
+stays 1-D with the contiguity hints of every other block: a 2-D tile carries none, and the
+compiler then moves every tensor of the launch with scalar accesses.
 
 Stochastic rounding takes 16 bits per write from the one counter-based hash of (seed,
 tensor index, element index), [note: rounding bits] in ``ampfused/_contract.py``: a per-program key
@@ -21,9 +23,9 @@ import triton
 import triton.language as tl
 
 from . import compact as K
-from ._contract_generated import (DTYPE_BF16, DTYPE_F16, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32, SR_KEY_SALT, SR_MIX_MUL1,
-                                  SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
-from ._memory import store_f32
+from ._contract_generated import (DTYPE_BF16, DTYPE_F16, INT8_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
+                                  SR_KEY_SALT, SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
+from ._memory import load_f32, store_f32
 
 
 @triton.jit
@@ -77,13 +79,18 @@ def _load_bf16(addr, offs, mask, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
+def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
-        code_ptr = _typed_ptr(addr, tl.int8, 4, ALIGNED)
+        code = tl.load(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
     else:
-        code_ptr = _typed_ptr(addr, tl.uint8, 4, ALIGNED)
-    code = tl.load(code_ptr + offs, mask=mask).to(tl.int32)
-    scale = tl.load(scale_addr.to(tl.pointer_type(tl.float32)) + groups, mask=group_mask)[:, None]
+        code = tl.load(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
+    # the scales of the block's scale blocks as scalars, spread by a select: a per-element gather
+    # would hold a 64-bit address per element ([note: int8 blocks])
+    scale_ptr = scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK
+    scale = tl.load(scale_ptr)
+    for j in tl.static_range(1, offs.shape[0] // INT8_BLOCK):
+        scale = tl.where(offs >= first + j * INT8_BLOCK,
+                         tl.load(scale_ptr + j, mask=first + j * INT8_BLOCK < end, other=0.0), scale)
     if SIGNED:
         x = K.decode_exp_avg(code, scale)
     else:
@@ -92,9 +99,10 @@ def _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.con
 
 
 @triton.jit
-def load_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, ALIGNED: tl.constexpr, BF16: tl.constexpr,
+def load_moment(addr, kind, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, BF16: tl.constexpr,
                 INT8: tl.constexpr, SIGNED: tl.constexpr):
-    """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``)."""
+    """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``) of
+    the block from element ``first`` (elements from ``end`` on are masked)."""
     if kind == MOMENT_F32:
         x = tl.load(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
@@ -102,11 +110,11 @@ def load_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, ALIGNED:
             if kind == MOMENT_BF16:
                 x = _load_bf16(addr, offs, mask, ALIGNED)
             else:
-                x = _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED, SIGNED)
+                x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
         elif BF16:
             x = _load_bf16(addr, offs, mask, ALIGNED)
         else:
-            x = _load_int8(addr, scale_addr, offs, mask, groups, group_mask, ALIGNED, SIGNED)
+            x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
     return x
 
 
@@ -121,27 +129,31 @@ def _store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constex
 
 
 @triton.jit
-def _store_int8(addr, scale_addr, offs, mask, groups, group_mask, x, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
+def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
         magnitude = tl.abs(x)
     else:
         magnitude = tl.abs(tl.sqrt_rn(x))
     if mask is not None:
         magnitude = tl.where(mask, magnitude, 0.0)
-    scale = tl.reduce(magnitude, 1, _max_nan)
-    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + groups, scale, mask=group_mask)
+    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks])
+    GROUPS: tl.constexpr = x.shape[0] // INT8_BLOCK
+    scale = tl.reduce(tl.reshape(magnitude, (GROUPS, INT8_BLOCK)), 1, _max_nan)
+    blocks = tl.arange(0, GROUPS)
+    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK + blocks, scale,
+             mask=first + blocks * INT8_BLOCK < end)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, INT8_BLOCK)), (GROUPS * INT8_BLOCK,))
     if SIGNED:
-        tl.store(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale[:, None]).to(tl.int8), mask=mask)
+        tl.store(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale).to(tl.int8), mask=mask)
     else:
-        tl.store(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, K.encode_exp_avg_sq(x, scale[:, None]).to(tl.uint8),
-                 mask=mask)
+        tl.store(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, K.encode_exp_avg_sq(x, scale).to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def store_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, x, rand, ALIGNED: tl.constexpr,
+def store_moment(addr, kind, scale_addr, offs, mask, first, end, x, rand, ALIGNED: tl.constexpr,
                  BF16: tl.constexpr, INT8: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr):
     """Store fp32 ``x`` in the moment's encoding; bf16 rounds stochastically with the low 16 bits of
-    ``rand`` when SR; int8 takes new block maxima as scales ([note: int8 blocks])."""
+    ``rand`` when SR; int8 takes new block maxima as scales (the block's, from element ``first``)."""
     if kind == MOMENT_F32:
         tl.store(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
     else:
@@ -149,11 +161,11 @@ def store_moment(addr, kind, scale_addr, offs, mask, groups, group_mask, x, rand
             if kind == MOMENT_BF16:
                 _store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
             else:
-                _store_int8(addr, scale_addr, offs, mask, groups, group_mask, x, ALIGNED, SIGNED)
+                _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
         elif BF16:
             _store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
         else:
-            _store_int8(addr, scale_addr, offs, mask, groups, group_mask, x, ALIGNED, SIGNED)
+            _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
 
 
 @triton.jit
@@ -166,100 +178,116 @@ def _join8(bits, residual, param_dtype):
 
 
 @triton.jit
-def _split_ptrs(param_addr, master_addr, ALIGNED: tl.constexpr):
-    """The 16-bit param's bits and the master's int16 low half / int8 residual (one of the two is used)."""
-    return (_typed_ptr(param_addr, tl.uint16, 8, ALIGNED), _typed_ptr(master_addr, tl.uint16, 8, ALIGNED),
-            _typed_ptr(master_addr, tl.int8, 4, ALIGNED))
-
-
-@triton.jit
-def load_split_master(param_addr, param_dtype, master_addr, kind, offs, mask, ALIGNED: tl.constexpr,
-                      SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
+def _load_split_master(t, param_dtype, offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
     """fp32 master joined from the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
-    bits_ptr, low_ptr, residual_ptr = _split_ptrs(param_addr, master_addr, ALIGNED)
-    bits = tl.load(bits_ptr + offs, mask=mask).to(tl.uint32)
+    bits = tl.load(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32)
     if SPLIT16 and SPLIT8:
-        if kind == MASTER_SPLIT16:
-            w = K.join16(bits, tl.load(low_ptr + offs, mask=mask).to(tl.uint32))
+        if t.master_kind == MASTER_SPLIT16:
+            w = K.join16(bits, tl.load(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
         else:
-            w = _join8(bits, tl.load(residual_ptr + offs, mask=mask).to(tl.int32), param_dtype)
+            w = _join8(bits, tl.load(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32),
+                       param_dtype)
     elif SPLIT16:
-        w = K.join16(bits, tl.load(low_ptr + offs, mask=mask).to(tl.uint32))
+        w = K.join16(bits, tl.load(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
     else:
-        w = _join8(bits, tl.load(residual_ptr + offs, mask=mask).to(tl.int32), param_dtype)
+        w = _join8(bits, tl.load(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32), param_dtype)
     return w
 
 
 @triton.jit
-def _store_split16(bits_ptr, low_ptr, offs, mask, w):
+def _store_split16(t, offs, mask, w, ALIGNED: tl.constexpr):
     hi, lo = K.split16(w)
-    tl.store(bits_ptr + offs, hi.to(tl.uint16), mask=mask)
-    tl.store(low_ptr + offs, lo.to(tl.uint16), mask=mask)
+    tl.store(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, hi.to(tl.uint16), mask=mask)
+    tl.store(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, lo.to(tl.uint16), mask=mask)
 
 
 @triton.jit
-def _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w):
+def _store_split8(t, param_dtype, offs, mask, w, ALIGNED: tl.constexpr):
     if param_dtype == DTYPE_F16:
         bits, q = K.split8(w, True)
     else:
         bits, q = K.split8(w, False)
-    tl.store(bits_ptr + offs, bits.to(tl.uint16), mask=mask)
-    tl.store(residual_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, bits.to(tl.uint16), mask=mask)
+    tl.store(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, q.to(tl.int8), mask=mask)
 
 
 @triton.jit
-def store_split_master(param_addr, param_dtype, master_addr, kind, offs, mask, w, ALIGNED: tl.constexpr,
-                       SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
-    """Split the fp32 master ``w`` into the 16-bit param and its low half / residual, and store both."""
-    bits_ptr, low_ptr, residual_ptr = _split_ptrs(param_addr, master_addr, ALIGNED)
-    if SPLIT16 and SPLIT8:
-        if kind == MASTER_SPLIT16:
-            _store_split16(bits_ptr, low_ptr, offs, mask, w)
-        else:
-            _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w)
-    elif SPLIT16:
-        _store_split16(bits_ptr, low_ptr, offs, mask, w)
-    else:
-        _store_split8(bits_ptr, residual_ptr, param_dtype, offs, mask, w)
-
-
-@triton.jit
-def store_state(offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
-                INT8_STATE: tl.constexpr, SR: tl.constexpr, w, m, v, v_max, param_addr, param_dtype, exp_avg_ptr,
-                exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr,
-                master_addr, master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key, groups,
-                group_mask):
-    """The update's writes in the compact variants: moments in their encoding, the param with its
-    master (split or fp32), or alone (stochastically rounded when SR and bf16). The kernel sends
-    split-master tensors only to SPLIT16/SPLIT8 blocks (adamw.py, [note: split masters per program])."""
-    if SR:
-        word0, word1 = random_words(offs, key, True)
-    else:
-        word0 = 0
-        word1 = 0
-    if BF16_STATE or INT8_STATE:
-        store_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, m, word0, ALIGNED,
-                     BF16_STATE, INT8_STATE, True, SR)
-        store_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, v, word0 >> 16,
-                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-        if amsgrad:
-            store_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, v_max, word1,
-                         ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-    else:
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        if amsgrad:
-            tl.store(max_sq_ptr + offs, v_max, mask=mask)
+def load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
+               BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr):
+    """(w, m, v, v_max) in fp32 of tensor ``t`` (a row: ``adamw.Row``), each in the encoding its row
+    names among those the launch can meet; v_max is v without amsgrad. The kernel sends split-master
+    tensors only to SPLIT16/SPLIT8 blocks ([note: split masters per program] in adamw.py)."""
     if SPLIT16 or SPLIT8:
-        store_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
-    elif has_master:
-        tl.store(master_ptr + offs, w, mask=mask)
-        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+        w = _load_split_master(t, param_dtype, offs, mask, ALIGNED, SPLIT16, SPLIT8)
+    elif t.master != 0:
+        w = tl.load(_typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
-        if SR:
-            if param_dtype == DTYPE_BF16:  # bf16 without a master: stochastic rounding
-                _store_bf16(param_addr, offs, mask, w, word1 >> 16, ALIGNED, True)
-            else:
-                store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+        w = load_f32(t.param, param_dtype, offs, mask, ALIGNED)
+    if BF16_STATE or INT8_STATE:
+        m = load_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, ALIGNED, BF16_STATE, INT8_STATE,
+                        True)
+        v = load_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
+                        INT8_STATE, False)
+        if amsgrad:
+            v_max = load_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
+                                ALIGNED, BF16_STATE, INT8_STATE, False)
         else:
-            store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)
+            v_max = v
+    else:
+        m = tl.load(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        v = tl.load(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        if amsgrad:
+            v_max = tl.load(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        else:
+            v_max = v
+    return w, m, v, v_max
+
+
+@triton.jit
+def store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
+                SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
+                SR: tl.constexpr):
+    """The update's writes: moments in their encoding, the param with its master (split or fp32),
+    or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
+    ``key`` is the program's random key ([note: rounding bits] in ampfused/_contract.py)."""
+    # the param first: its random word (word1, shared with max_exp_avg_sq) dies before the moments'
+    # word0 is made, so a block holds one word at a time
+    word1 = 0
+    if SR:
+        _, word1 = random_words(offs, key, True)
+    if SPLIT16 or SPLIT8:
+        if SPLIT16 and SPLIT8:
+            if t.master_kind == MASTER_SPLIT16:
+                _store_split16(t, offs, mask, w, ALIGNED)
+            else:
+                _store_split8(t, param_dtype, offs, mask, w, ALIGNED)
+        elif SPLIT16:
+            _store_split16(t, offs, mask, w, ALIGNED)
+        else:
+            _store_split8(t, param_dtype, offs, mask, w, ALIGNED)
+    elif t.master != 0:
+        tl.store(_typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, w, mask=mask)
+        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
+    elif SR:
+        if param_dtype == DTYPE_BF16:  # bf16 without a master: stochastic rounding
+            _store_bf16(t.param, offs, mask, w, word1 >> 16, ALIGNED, True)
+        else:
+            store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
+    else:
+        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
+    if BF16_STATE or INT8_STATE:
+        if amsgrad:
+            store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
+                         v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+        word0 = 0
+        if SR:
+            word0, _ = random_words(offs, key, False)
+        store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED, BF16_STATE,
+                     INT8_STATE, True, SR)
+        store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
+                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+    else:
+        tl.store(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
+        tl.store(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
+        if amsgrad:
+            tl.store(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v_max, mask=mask)

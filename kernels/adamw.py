@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 import struct
+from collections import namedtuple
 from itertools import chain
 from typing import NamedTuple
 
@@ -47,15 +48,21 @@ LR_KIND_OF = {torch.float32: int(LR_F32), torch.float64: int(LR_F64), torch.floa
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
 
 
+# The block of an unaligned tensor has another shape than the aligned block: the compiler gives
+# every access of one shape the widest vector layout among them, and the stores of an unaligned
+# tensor, which move one element at a time, would then convert each value through shared memory
+# (and spill in the block loop). Half a block, still whole int8 scale blocks.
+UNALIGNED_BLOCK = tl.constexpr(max(_runtime.UPDATE_BLOCK // 2, int(INT8_BLOCK)))
 # [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
 assert _runtime.CHUNK % int(INT8_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(INT8_BLOCK) == 0
+assert _runtime.UPDATE_BLOCK % int(UNALIGNED_BLOCK) == 0 and int(UNALIGNED_BLOCK) % int(INT8_BLOCK) == 0
 
 
 @triton.jit
 def _bias_corrections(beta1, beta2, step):
     """(1 - beta1 ** step, sqrt(1 - beta2 ** step)) in fp64 for an integer-valued fp32 step.
 
-    [note: pow] beta ** step by squaring in fp64: within a few fp64 ulp of torch.pow (so the fp32
+    beta ** step by squaring in fp64: within a few fp64 ulp of torch.pow (so the fp32
     roundings torch applies come out the same) and free of libdevice. An fp32
     exp2(step * log2(beta)) would put a ~1e-4 relative error on 1 - beta2 ** step at step 1, and
     fp64 exp2 needs libdevice.
@@ -73,263 +80,197 @@ def _bias_corrections(beta1, beta2, step):
     return 1.0 - pow1, tl.sqrt(1.0 - pow2)
 
 
+# What the update kernel holds of a tensor: the fields of its row that the blocks read, loaded once
+# per program (the block loop could not re-read them: nothing tells the compiler that the stores
+# leave the table alone). The param's dtype code travels beside it, as a constexpr where the
+# program fixes it ([note: split masters per program]); a tuple would turn it into a run-time value.
+Row = namedtuple("Row", ["param", "grad", "grad_dtype", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master",
+                         "master_kind", "moment_kind", "exp_avg_scales", "exp_avg_sq_scales", "max_exp_avg_sq_scales"])
+# A program's scalars: its group's hyperparameters as the block math uses them, and the stats factor.
+Scalars = namedtuple("Scalars", ["amsgrad", "maximize", "factor", "unscale", "decay", "lerp_from_m", "lerp_scale",
+                                 "beta2", "one_minus_beta2", "bias_correction2_sqrt", "eps", "neg_step_size"])
+
+
 @triton.jit
-def _adamw_block(offs, mask, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, param_addr,
-                 param_dtype, grad_addr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master,
-                 amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt,
-                 eps, neg_step_size, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
-                 INT8_STATE: tl.constexpr, SR: tl.constexpr, exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr,
-                 master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key, groups, group_mask):
-    """One block of one tensor: ``mask`` is None for a full block. The compact variants (any of
-    SPLIT16 .. SR) read and write the state through ``_compact_state`` by the row's codes; the
-    math between is the same.
+def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.constexpr,
+                 EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
+                 BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
+    """One block of tensor ``t`` (a Row) with scalars ``s``, from element ``first`` to at most
+    ``end``: ``mask`` is None for a full block. The state is read and written in the
+    encodings the row names (``_compact_state``); the math between is the same for all.
 
     [note: loads first] Every load is issued before any math, so the block waits for memory once
     (the round trips overlap) instead of once per dependent value.
     """
-    g = load_f32(grad_addr, grad_dtype, offs, mask, ALIGNED)
-    # (every flag here is a constexpr: a plain launch compiles to the fp32 loads alone)
-    if SPLIT16 or SPLIT8:  # the kernel sends split masters only here: [note: split masters per program]
-        w = CS.load_split_master(param_addr, param_dtype, master_addr, master_kind, offs, mask, ALIGNED, SPLIT16, SPLIT8)
-    elif has_master:
-        w = tl.load(master_ptr + offs, mask=mask)
-    else:
-        w = load_f32(param_addr, param_dtype, offs, mask, ALIGNED)
-    if BF16_STATE or INT8_STATE:
-        m = CS.load_moment(exp_avg_addr, state_kind, exp_avg_scales, offs, mask, groups, group_mask, ALIGNED,
-                           BF16_STATE, INT8_STATE, True)
-        v = CS.load_moment(exp_avg_sq_addr, state_kind, exp_avg_sq_scales, offs, mask, groups, group_mask, ALIGNED,
-                           BF16_STATE, INT8_STATE, False)
-        if amsgrad:
-            v_max = CS.load_moment(max_sq_addr, state_kind, max_sq_scales, offs, mask, groups, group_mask, ALIGNED,
-                                   BF16_STATE, INT8_STATE, False)
-        else:
-            v_max = v
-    else:
-        m = tl.load(exp_avg_ptr + offs, mask=mask)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
-        if amsgrad:
-            v_max = tl.load(max_sq_ptr + offs, mask=mask)
-        else:
-            v_max = v
+    g = load_f32(t.grad, t.grad_dtype, offs, mask, ALIGNED)
+    w, m, v, v_max = CS.load_state(t, param_dtype, offs, mask, first, end, s.amsgrad, ALIGNED, SPLIT16, SPLIT8,
+                                   BF16_STATE, INT8_STATE)
     if WRITE_GRAD:
-        store_f32(grad_addr, grad_dtype, offs, g * unscale, mask, ALIGNED)
-    g = g * factor
-    if maximize:
+        store_f32(t.grad, t.grad_dtype, offs, g * s.unscale, mask, ALIGNED)
+    g = g * s.factor
+    if s.maximize:
         g = g * -1.0  # Triton's unary minus is 0 - x, which loses the sign of zero that torch's neg keeps
 
-    w = w * decay
+    w = w * s.decay
     # exp_avg.lerp_(g, 1 - beta1): torch computes self + w * (end - self) for |w| < 0.5, else
     # end - (end - self) * (1 - w), as one FMA on CPU and GPU.
     # exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2): addcmul is fma((1 - beta2) * g, g, v).
-    # [note: fma] The interpreter's tl.fma rounds twice; there it is done in fp64 (the fp32 product
-    # is exact in fp64), which rounds once up to a double-rounding tie (~2^-29 of the time).
-    if lerp_weight < 0.5:
-        lerp_scale = lerp_weight
+    # The interpreter's tl.fma rounds twice; there it is done in fp64 (the fp32 product is exact in
+    # fp64), which rounds once up to a double-rounding tie (~2^-29 of the time).
+    if s.lerp_from_m:
         lerp_base = m
     else:
-        lerp_scale = lerp_weight - 1.0
         lerp_base = g
+    lerp_scale = s.lerp_scale
     if EMULATE_FMA:
         m = (lerp_scale.to(tl.float64) * (g - m).to(tl.float64) + lerp_base.to(tl.float64)).to(tl.float32)
-        v = ((one_minus_beta2 * g).to(tl.float64) * g.to(tl.float64) + (v * beta2).to(tl.float64)).to(tl.float32)
+        v = ((s.one_minus_beta2 * g).to(tl.float64) * g.to(tl.float64) + (v * s.beta2).to(tl.float64)).to(tl.float32)
     else:
         m = tl.fma(lerp_scale, g - m, lerp_base)
-        v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
-        if amsgrad:
-            v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
-            root = tl.sqrt_rn(v_max)
-        else:
-            root = tl.sqrt_rn(v)
-        denom = tl.div_rn(root, bias_correction2_sqrt) + eps
-        w = w + tl.div_rn(m * neg_step_size, denom)
-        CS.store_state(offs, mask, ALIGNED, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, w, m, v, v_max, param_addr,
-                       param_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, exp_avg_addr, exp_avg_sq_addr, max_sq_addr,
-                       master_addr, master_kind, state_kind, exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key,
-                       groups, group_mask)
+        v = tl.fma(s.one_minus_beta2 * g, g, v * s.beta2)
+    if s.amsgrad:
+        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
+        root = tl.sqrt_rn(v_max)
     else:
-        if amsgrad:
-            v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(max_sq_ptr + offs, v_max, mask=mask)
-            root = tl.sqrt_rn(v_max)
-        else:
-            root = tl.sqrt_rn(v)
-        denom = tl.div_rn(root, bias_correction2_sqrt) + eps
-        w = w + tl.div_rn(m * neg_step_size, denom)
-
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        if has_master:
-            tl.store(master_ptr + offs, w, mask=mask)
-        store_f32(param_addr, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
+        root = tl.sqrt_rn(v)
+    denom = tl.div_rn(root, s.bias_correction2_sqrt) + s.eps
+    w = w + tl.div_rn(m * s.neg_step_size, denom)
+    CS.store_state(t, param_dtype, offs, mask, first, end, key, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
+                   SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
 @triton.jit
-def _fp32_ptr(addr, ALIGNED: tl.constexpr):
-    ptr = addr.to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
-
-
-@triton.jit
-def _chunk_update(start, end, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr,
-                  WRITE_GRAD: tl.constexpr, param_addr, param_dtype, grad_addr, grad_dtype, exp_avg_addr, exp_avg_sq_addr,
-                  max_sq_addr, master_addr, amsgrad, maximize, factor, unscale, decay, lerp_weight, beta2, one_minus_beta2,
-                  bias_correction2_sqrt, eps, neg_step_size, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
-                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr, master_kind, state_kind,
-                  exp_avg_scales, exp_avg_sq_scales, max_sq_scales, key):
-    exp_avg_ptr = _fp32_ptr(exp_avg_addr, ALIGNED)
-    exp_avg_sq_ptr = _fp32_ptr(exp_avg_sq_addr, ALIGNED)
-    max_sq_ptr = _fp32_ptr(max_sq_addr, ALIGNED)
-    master_ptr = _fp32_ptr(master_addr, ALIGNED)
-    has_master = master_addr != 0
+def _chunk_update(start, end, t, s, key, param_dtype, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                  EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
+                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
+    """Elements [start, end) of tensor ``t``: full blocks unmasked (chunks start on BLOCK multiples), then the tail."""
     full_end = start + (end - start) // BLOCK * BLOCK
     first = start
-    # [note: constexprs stay out of tuples] inside the kernel's run-time `if`, a tuple turns its
-    # constexpr members into tensors, so the flags travel as plain arguments
-    compact = (exp_avg_addr, exp_avg_sq_addr, max_sq_addr, master_addr, master_kind, state_kind, exp_avg_scales,
-               exp_avg_sq_scales, max_sq_scales, key)
-    if INT8_STATE:  # [note: int8 blocks] a block is a [BLOCK // 256, 256] tile of whole scale blocks
-        GROUPS: tl.constexpr = BLOCK // INT8_BLOCK
-        while first < full_end:
-            first = tl.multiple_of(first, INT8_BLOCK)
-            offs = first + tl.arange(0, GROUPS)[:, None] * INT8_BLOCK + tl.arange(0, INT8_BLOCK)[None, :]
-            _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
-                         exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor,
-                         unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
-                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, first // INT8_BLOCK + tl.arange(0, GROUPS), None)
-            first += BLOCK
-        if full_end < end:
-            offs = full_end + tl.arange(0, GROUPS)[:, None] * INT8_BLOCK + tl.arange(0, INT8_BLOCK)[None, :]
-            group_first = full_end + tl.arange(0, GROUPS) * INT8_BLOCK
-            _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr,
-                         grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
-                         factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, group_first // INT8_BLOCK, group_first < end)
-    else:
-        while first < full_end:  # full blocks: no masks (chunks start on BLOCK multiples)
-            offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-            _adamw_block(offs, None, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr, grad_dtype,
-                         exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize, factor,
-                         unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
-                         SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, 0, None)
-            first += BLOCK
-        if full_end < end:
-            offs = full_end + tl.arange(0, BLOCK)
-            _adamw_block(offs, offs < end, ALIGNED, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, grad_addr,
-                         grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, max_sq_ptr, master_ptr, has_master, amsgrad, maximize,
-                         factor, unscale, decay, lerp_weight, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-                         neg_step_size, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact, 0, None)
+    while first < full_end:
+        offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        _adamw_block(offs, None, first, end, t, s, key, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
+                     BF16_STATE, INT8_STATE, SR)
+        first += BLOCK
+    if full_end < end:
+        offs = full_end + tl.arange(0, BLOCK)
+        _adamw_block(offs, offs < end, full_end, end, t, s, key, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+                     SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
 @triton.jit
-def _slot_lr(slot, lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo):
-    """The fp64 lr of argument slot ``slot``, from its three exact fp32 parts (see ``_split_f64``)."""
-    hi = tl.where(slot == 0, lr0_hi, tl.where(slot == 1, lr1_hi, tl.where(slot == 2, lr2_hi, lr3_hi)))
-    mid = tl.where(slot == 0, lr0_mid, tl.where(slot == 1, lr1_mid, tl.where(slot == 2, lr2_mid, lr3_mid)))
-    lo = tl.where(slot == 0, lr0_lo, tl.where(slot == 1, lr1_lo, tl.where(slot == 2, lr2_lo, lr3_lo)))
+def _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
+                    WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
+                    INT8_STATE: tl.constexpr, SR: tl.constexpr):
+    """The program's chunk, with 16-byte alignment hints when its tensor is aligned: a per-tensor
+    fact, uniform per program (see [note: alignment per tensor])."""
+    if aligned:
+        _chunk_update(start, end, t, s, key, param_dtype, BLOCK, True, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
+                      BF16_STATE, INT8_STATE, SR)
+    else:
+        _chunk_update(start, end, t, s, key, param_dtype, UNALIGNED_BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+                      SPLIT8, BF16_STATE, INT8_STATE, SR)
+
+
+@triton.jit
+def _slot_lr(slot, lrs):
+    """The fp64 lr of argument slot ``slot``, from its three exact fp32 parts ``lrs[3 * slot:]`` (see ``_split_f64``)."""
+    hi = tl.where(slot == 0, lrs[0], tl.where(slot == 1, lrs[3], tl.where(slot == 2, lrs[6], lrs[9])))
+    mid = tl.where(slot == 0, lrs[1], tl.where(slot == 1, lrs[4], tl.where(slot == 2, lrs[7], lrs[10])))
+    lo = tl.where(slot == 0, lrs[2], tl.where(slot == 1, lrs[5], tl.where(slot == 2, lrs[8], lrs[11])))
     return hi.to(tl.float64) + mid.to(tl.float64) + lo.to(tl.float64)
 
 
+@triton.jit
+def _group_lr(group, lrs):
+    """The group's lr in fp64: a value, an argument slot, or a tensor read in its own dtype."""
+    lr_kind = tl.load(group + G_LR_KIND)
+    lr = tl.load(group + G_LR).to(tl.float64, bitcast=True)
+    if lr_kind == LR_F32:
+        lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float32))).to(tl.float64)
+    elif lr_kind == LR_F64:
+        lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float64)))
+    elif lr_kind == LR_F16:
+        lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float16))).to(tl.float64)
+    elif lr_kind == LR_BF16:  # exact widening by bits (see _memory.py)
+        bits = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.uint16)))
+        lr = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
+    elif lr_kind == LR_SLOT:
+        lr = _slot_lr(tl.load(group + G_LR_PTR), lrs)
+    return lr
+
+
+@triton.jit
+def _scalars(row, groups, stats_ptr, grad_scale_ptr, lrs, WRITE_GRAD: tl.constexpr):
+    """The Scalars of the program's tensor: in fp64, as torch computes them from Python floats or
+    fp64 tensors, then rounded to fp32 where torch's fp32 kernels round them."""
+    group = groups + tl.load(row + U_GROUP) * G_SIZE
+    lr = _group_lr(group, lrs)
+    beta1 = tl.load(group + G_BETA1).to(tl.float64, bitcast=True)
+    beta2 = tl.load(group + G_BETA2).to(tl.float64, bitcast=True)
+    eps = tl.load(group + G_EPS).to(tl.float64, bitcast=True).to(tl.float32)
+    weight_decay = tl.load(group + G_WEIGHT_DECAY).to(tl.float64, bitcast=True)
+    flags = tl.load(group + G_FLAGS)
+    step = tl.load(tl.load(row + U_STEP).to(tl.pointer_type(tl.float32))) + 1.0
+    bias_correction1, bias_correction2_sqrt = _bias_corrections(beta1, beta2, step)
+    factor = tl.load(stats_ptr + FACTOR)
+    unscale = factor * 0.0 + 1.0  # a run-time 1.0: a tuple would make a constant a run-time value anyway
+    if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
+        unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
+    lerp_weight = (1.0 - beta1).to(tl.float32)
+    lerp_from_m = lerp_weight < 0.5
+    lerp_scale = tl.where(lerp_from_m, lerp_weight, lerp_weight - 1.0)
+    return Scalars((flags & FLAG_AMSGRAD) != 0, (flags & FLAG_MAXIMIZE) != 0, factor, unscale,
+                   (1.0 - lr * weight_decay).to(tl.float32), lerp_from_m, lerp_scale, beta2.to(tl.float32),
+                   (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps,
+                   (lr / bias_correction1 * -1.0).to(tl.float32))  # neg_step_size: -0.0 when lr == 0, as in torch
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])  # a new seed every step must not recompile
-def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, n_programs,
-                         lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid, lr2_lo, lr3_hi, lr3_mid, lr3_lo,
-                         seed_lo, seed_hi, BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr,
-                         EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr = False, SPLIT16: tl.constexpr = False,
-                         SPLIT8: tl.constexpr = False, BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False,
-                         SR: tl.constexpr = False):
+def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, lrs, seed_lo, seed_hi,
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
+                         WRITE_GRAD: tl.constexpr = False, SPLIT16: tl.constexpr = False, SPLIT8: tl.constexpr = False,
+                         BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False, SR: tl.constexpr = False):
+    """One program per chunk (``chunks``: tensor index, first element); ``lrs``: the float lrs of the
+    argument slots, three fp32 parts each ([note: group table]). The compact constexprs say which
+    encodings the launch can meet: a launch without compact state compiles to the plain kernel."""
     # early exit: a skipped step writes nothing at all (state stays bitwise unchanged)
     if tl.load(stats_ptr + SKIP) == 0:
         pid = tl.program_id(0)
         tensor = tl.load(chunks + 2 * pid)
         start = tl.load(chunks + 2 * pid + 1)
         row = rows + tensor * U_SIZE
-        group = groups + tl.load(row + U_GROUP) * G_SIZE
-
-        # Scalars in fp64, as torch computes them from Python floats or fp64 tensors, then rounded
-        # to fp32 where torch's fp32 kernels round them.
-        lr_kind = tl.load(group + G_LR_KIND)
-        lr = tl.load(group + G_LR).to(tl.float64, bitcast=True)
-        if lr_kind == LR_F32:
-            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float32))).to(tl.float64)
-        elif lr_kind == LR_F64:
-            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float64)))
-        elif lr_kind == LR_F16:
-            lr = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.float16))).to(tl.float64)
-        elif lr_kind == LR_BF16:  # exact widening by bits (see _memory.py)
-            bits = tl.load(tl.load(group + G_LR_PTR).to(tl.pointer_type(tl.uint16)))
-            lr = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
-        elif lr_kind == LR_SLOT:
-            lr = _slot_lr(tl.load(group + G_LR_PTR), lr0_hi, lr0_mid, lr0_lo, lr1_hi, lr1_mid, lr1_lo, lr2_hi, lr2_mid,
-                          lr2_lo, lr3_hi, lr3_mid, lr3_lo)
-        beta1 = tl.load(group + G_BETA1).to(tl.float64, bitcast=True)
-        beta2 = tl.load(group + G_BETA2).to(tl.float64, bitcast=True)
-        eps = tl.load(group + G_EPS).to(tl.float64, bitcast=True).to(tl.float32)
-        weight_decay = tl.load(group + G_WEIGHT_DECAY).to(tl.float64, bitcast=True)
-        flags = tl.load(group + G_FLAGS)
-        step = tl.load(tl.load(row + U_STEP).to(tl.pointer_type(tl.float32))) + 1.0
-        bias_correction1, bias_correction2_sqrt = _bias_corrections(beta1, beta2, step)
-        neg_step_size = (lr / bias_correction1 * -1.0).to(tl.float32)  # -0.0 when lr == 0, as in torch
-        decay = (1.0 - lr * weight_decay).to(tl.float32)
-        factor = tl.load(stats_ptr + FACTOR)
-        unscale = 1.0
-        if WRITE_GRAD:  # torch's reciprocal of the scale: in fp64, rounded to fp32
-            unscale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
-
-        param_addr = tl.load(row + U_PARAM)
-        param_dtype = tl.load(row + U_PARAM_DTYPE)
-        block_tail = (
-            tl.load(row + U_GRAD), tl.load(row + U_GRAD_DTYPE), tl.load(row + U_EXP_AVG), tl.load(row + U_EXP_AVG_SQ), tl.load(row + U_MAX_EXP_AVG_SQ), tl.load(row + U_MASTER),
-            (flags & FLAG_AMSGRAD) != 0, (flags & FLAG_MAXIMIZE) != 0, factor, unscale, decay, (1.0 - beta1).to(tl.float32),
-            beta2.to(tl.float32), (1.0 - beta2).to(tl.float32), bias_correction2_sqrt.to(tl.float32), eps, neg_step_size)
+        s = _scalars(row, groups, stats_ptr, grad_scale_ptr, lrs, WRITE_GRAD)
+        t = Row(tl.load(row + U_PARAM), tl.load(row + U_GRAD), tl.load(row + U_GRAD_DTYPE), tl.load(row + U_EXP_AVG),
+                tl.load(row + U_EXP_AVG_SQ), tl.load(row + U_MAX_EXP_AVG_SQ), tl.load(row + U_MASTER),
+                tl.load(row + U_MASTER_KIND), tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
+                tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES))
         end = tl.minimum(start + CHUNK, tl.load(row + U_NUMEL))
-        if SPLIT16 or SPLIT8 or BF16_STATE or INT8_STATE or SR:
-            key = tl.program_id(0).to(tl.uint32) * 0
-            if SR:  # [note: rounding bits] in ampfused/_contract.py
-                key = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), start)
-            master_kind = tl.load(row + U_MASTER_KIND)
-            compact_args = (master_kind, tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
-                            tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES), key)
-            aligned = tl.load(row + U_ALIGNED) != 0
-            # [note: split masters per program] a tensor's master is split or not, and its param
-            # fp16 or bf16, for the whole program: deciding both here (the dtype code becomes a
-            # constexpr) keeps those branches, and the registers they hold, out of the block loop.
-            # The split loops are compiled only for launches with split masters.
-            if (SPLIT16 or SPLIT8) and master_kind != MASTER_F32:
-                if SPLIT8 and param_dtype == DTYPE_F16:  # fp16: split8 only
-                    if aligned:
-                        _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_F16, *block_tail,
-                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
-                    else:
-                        _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_F16, *block_tail,
-                                      False, SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
-                elif aligned:
-                    _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_BF16, *block_tail, SPLIT16,
-                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
-                else:
-                    _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, DTYPE_BF16, *block_tail, SPLIT16,
-                                  SPLIT8, BF16_STATE, INT8_STATE, SR, *compact_args)
-            elif aligned:
-                _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
-                              INT8_STATE, SR, *compact_args)
+        key = pid.to(tl.uint32) * 0
+        if SR:  # [note: rounding bits] in ampfused/_contract.py: keyed by the tensor's position in the step
+            key = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), start)
+        aligned = tl.load(row + U_ALIGNED) != 0
+        param_dtype = tl.load(row + U_PARAM_DTYPE)
+        # [note: split masters per program] a tensor's master is split or not, and its param fp16
+        # or bf16, for the whole program: deciding both here (the dtype code becomes a constexpr)
+        # keeps those branches, and the registers they hold, out of the block loop. The split
+        # loops are compiled only for launches with split masters.
+        if (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
+            if SPLIT8 and param_dtype == DTYPE_F16:  # fp16: split8 only
+                _program_update(start, end, t, s, key, aligned, DTYPE_F16, BLOCK, EMULATE_FMA, WRITE_GRAD, False,
+                                SPLIT8, BF16_STATE, INT8_STATE, SR)
             else:
-                _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, BF16_STATE,
-                              INT8_STATE, SR, *compact_args)
-        elif tl.load(row + U_ALIGNED) != 0:  # per tensor, uniform per program: see [note: alignment per tensor]
-            _chunk_update(start, end, BLOCK, True, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
-                          0, 0, 0, 0, 0, 0)
+                _program_update(start, end, t, s, key, aligned, DTYPE_BF16, BLOCK, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+                                SPLIT8, BF16_STATE, INT8_STATE, SR)
         else:
-            _chunk_update(start, end, BLOCK, False, EMULATE_FMA, WRITE_GRAD, param_addr, param_dtype, *block_tail, False, False, False, False, False,
-                          0, 0, 0, 0, 0, 0)
+            _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK, EMULATE_FMA, WRITE_GRAD, False, False,
+                            BF16_STATE, INT8_STATE, SR)
 
-        # [note: steps advance last] Every program of a tensor reads its step counter above, so no
+        # Steps advance last: every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
         # last ticket advances every counter and resets the ticket counter for the next launch.
         tl.debug_barrier()
         ticket = tl.atomic_add(retired_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_programs - 1:
+        if ticket == tl.num_programs(0) - 1:
             table_first = tl.program_id(0) * 0  # a run-time zero even when n_tensors == 1 is specialized to a constant
             while table_first < n_tensors:
                 idx = table_first + tl.arange(0, TABLE_BLOCK)
@@ -396,12 +337,12 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     _, counter, _ = _tables.scratch_views(scratch, device)
     _runtime.launch(_adamw_update_kernel, (layout.n_chunks,))(
         rows.rows, layout.chunks, groups[0], stats, grad_scale if grad_scale is not None else stats, counter,
-        rows.n_tensors, layout.n_chunks, *lr_args, seed & _SEED_WORD, (seed >> int(ROUNDING_SEED_BITS)) & _SEED_WORD,
+        rows.n_tensors, tuple(lr_args), seed & _SEED_WORD, (seed >> int(ROUNDING_SEED_BITS)) & _SEED_WORD,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
         **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
-        **({"maxnreg": _runtime.update_maxnreg(split8, int8_state)} if _runtime.UPDATE_MAXNREG else {}),
-        # [note: no implicit FMA] torch runs decay, moments and update as separate rounding ops; the
+        **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
+        # No implicit FMA: torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
         # Fusion off is also what keeps `beta * 0.0 + 1.0` (a run-time fp64 one) exact; the kernel
         # tests no finiteness itself (stats[SKIP] comes from the stats pass). tests/contract/sm90_compile.py

@@ -1,6 +1,6 @@
 """Compile every GPU kernel for sm_90 offline and check what only a GPU would show.
 
-    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md]      (exit 1 on a failed rule)
+    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md] [--keep DIR]   (exit 1 on a failed rule)
 
 No GPU is needed. Triton: a fake active driver reports ``GPUTarget("cuda", 90, 32)`` and every
 kernel launch of the real wrappers (``ampfused.kernels``, called on CPU tensors with the GPU block
@@ -19,7 +19,9 @@ Rules (each failure is printed; see [note: rules]):
            contracts; the scaler's PTX has no fma at all.
   spills   no local-memory load/store (LDL/STL) inside an innermost loop of the SASS (a backward
            branch with no other loop inside): loop-invariant scalars may spill, the streaming
-           loops may not.
+           loops may not. Every update variant is compiled with and without WRITE_GRAD.
+  vectors  every Triton update variant has an aligned block loop with 128-bit loads and stores, and
+           no aligned block loop moves 8- or 16-bit scalars ([note: vector rule]).
   budget   registers and shared memory per kernel at most BUDGET below.
   pow      no ``__internal_accurate_pow`` in the CUDA update kernel.
   global   no generic LD/ST in the CUDA update and stats kernels: tensor data moves with LDG/STG
@@ -50,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's ampfused, not an installed one: one source tree for both compilers
 # [note: budgets] registers per thread / static shared memory per block (bytes). The update kernel
-# runs under maxnreg=72 (80 for its split8 and int8-moment variants); the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
+# runs under maxnreg=72, every variant; the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
           "_accumulate_kernel": (64, 16384), "stats_kernel": (64, 4096), "update_kernel": (64, 4096),
           "scaler_update_kernel": (64, 1024), "accumulate_kernel": (64, 1024)}
@@ -221,7 +223,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         return kernel
 
     JITFunction.run = warmup_instead
-    from ampfused._contract import INT8_BLOCK, Batch, Hyper
+    from ampfused._contract import Batch, Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
     assert not _runtime.INTERPRET, "TRITON_INTERPRET is set: these would be interpreter sizes"
@@ -234,8 +236,9 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
     params = [torch.zeros(n) for n in numels]
     fp32 = lambda: [torch.zeros(n) for n in numels]  # noqa: E731
     hyper = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, False, False)
-    adamw.adamw_update_(Batch(params, fp32(), fp32(), fp32(), [None] * 4, [torch.zeros(()) for _ in numels], [None] * 4,
-                              [0] * 4, [hyper]), torch.zeros(4))
+    for grad_scale in (None, torch.ones(())):
+        adamw.adamw_update_(Batch(params, fp32(), fp32(), fp32(), [None] * 4, [torch.zeros(()) for _ in numels],
+                                  [None] * 4, [0] * 4, [hyper]), torch.zeros(4), grad_scale=grad_scale)
     compact_updates(adamw, hyper, numels)
     for min_scale in (None, 1.0):
         scaler.scaler_update_(torch.zeros(()), torch.ones(()), torch.zeros((), dtype=torch.int32),
@@ -260,7 +263,8 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         info = ptxas_info(run([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", str(work / "scratch.cubin")]))
         info = next(iter(info.values()))
         sass = sass_functions(run([cuobjdump, "-sass", str(cubin_file)]))
-        inner = spills_in_inner_loops(next(iter(sass.values())))
+        instructions = next(iter(sass.values()))
+        inner = spills_in_inner_loops(instructions)
         threads = kernel.metadata.num_warps * 32
         smem = max(info["smem"], kernel.metadata.shared)
         rows.append(dict(kernel=entry["name"], config=entry["config"], threads=threads, **info, smem_total=smem,
@@ -268,7 +272,56 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         problems += flag_rules(entry["name"], kernel.asm["ptx"], entry["fused"])
         problems += [f"{entry['name']} [{entry['config']}]: spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(entry["name"], info["regs"], smem, entry["config"])
+        if entry["name"] == "_adamw_update_kernel":
+            rows[-1]["vectors"], vector_problems = full_block_vectors(instructions)
+            problems += [f"{entry['name']} [{entry['config']}]: {p}" for p in vector_problems]
+        if KEEP is not None:
+            (KEEP / f"triton{i}_{entry['name']}.sass").write_text("\n".join(f"/*{a:04x}*/ {t}" for a, t in instructions))
+            (KEEP / f"triton{i}_{entry['name']}.ptx").write_text(kernel.asm["ptx"])
     return rows, problems
+
+
+KEEP: Path | None = None  # --keep: where the Triton kernels' PTX and SASS are written
+
+
+def global_access(text: str) -> tuple[str, int, bool] | None:
+    """(LDG or STG, bits a thread moves, predicated) of a global access, else None."""
+    m = re.match(r"(@!?U?P\w+\s+)?(LDG|STG)\.E((?:\.\w+)*)", text)
+    if not m:
+        return None
+    mods = set(m.group(3).split("."))
+    bits = 128 if "128" in mods else 64 if "64" in mods else 16 if mods & {"U16", "S16"} else 8 if mods & {"U8", "S8"} else 32
+    return m.group(2), bits, m.group(1) is not None
+
+
+def full_block_vectors(instructions: list[tuple[int, str]]) -> tuple[dict[str, int], list[str]]:
+    """[note: vector rule] The update's aligned full-block loops and the width of their accesses.
+
+    The block loops are the innermost loops that move tensor data (a tail block runs once, outside
+    them); an aligned one moves 128 bits somewhere, while an unaligned tensor's loop moves every
+    element alone. A thread owns 4 consecutive elements of every tensor: fp32 moves as 128-bit,
+    16-bit as 64-bit and int8 codes as 32-bit accesses (branches of the dtype codes may predicate
+    them). The rule: each variant has an aligned block loop with 128-bit loads and stores, and no
+    aligned loop moves 8- or 16-bit scalars (a tensor that lost its vectors, as every tensor of an
+    int8-moment launch did when the int8 blocks were 2-D tiles without contiguity hints)."""
+    counts = {f"{op}.{bits}": 0 for op in ("LDG", "STG") for bits in (128, 64, 32, 16, 8)}
+    counts["loops"] = 0
+    problems = []
+    for a, b in innermost_loops(instructions):
+        accesses = [x for addr, text in instructions if a <= addr <= b and (x := global_access(text))]
+        if not any(bits == 128 for _, bits, _ in accesses):
+            continue
+        counts["loops"] += 1
+        for op, bits, _ in accesses:
+            counts[f"{op}.{bits}"] += 1
+        scalars = [f"{op}.{bits}" for op, bits, _ in accesses if bits < 32]
+        if scalars:
+            problems.append(f"aligned block loop {a:#x}-{b:#x} moves {len(scalars)} 8/16-bit scalars "
+                            f"({', '.join(sorted(set(scalars)))}): a tensor lost its vector accesses")
+    if not counts["LDG.128"] or not counts["STG.128"]:
+        problems.append(f"no 128-bit load and store in any block loop ({counts['loops']} aligned loops): "
+                        "the tensors move with scalar accesses ([note: vector rule])")
+    return counts, problems
 
 
 def compact_updates(adamw, hyper, numels):
@@ -288,18 +341,21 @@ def compact_updates(adamw, hyper, numels):
             moments, scales = [torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)], None
         return p, torch.zeros(n), moments, master, scales
 
-    def launch(configs, seed=None):
+    def launch(configs, seed=None, grad_scale=None):
         rows = [tensors(*config, n) for config, n in zip(configs, numels)]
         adamw.adamw_update_(Batch([r[0] for r in rows], [r[1] for r in rows], [r[2][0] for r in rows], [r[2][1] for r in rows],
                                   [None] * len(rows), [torch.zeros(()) for _ in rows], [r[3] for r in rows], [0] * len(rows),
-                                  [hyper], [r[4] for r in rows]), torch.zeros(4), rounding_seed=seed)
+                                  [hyper], [r[4] for r in rows]), torch.zeros(4), rounding_seed=seed, grad_scale=grad_scale)
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    launch([(bf16, torch.int16, fp32)] * 4)
-    launch([(bf16, None, bf16)] * 4, seed=1)
-    launch([(fp16, torch.int8, bf16)] * 4)
-    launch([(bf16, torch.int16, "int8")] * 4)
-    launch([(bf16, torch.int16, "int8"), (fp32, None, fp32), (bf16, None, bf16), (fp16, torch.int8, fp32)], seed=1)
+    mixed = [(bf16, torch.int16, "int8"), (fp32, None, fp32), (bf16, None, bf16), (fp16, torch.int8, fp32)]
+    for grad_scale in (None, torch.ones(())):  # WRITE_GRAD: a GradScaler step also stores the unscaled grads
+        launch([(bf16, torch.int16, fp32)] * 4, grad_scale=grad_scale)
+        launch([(bf16, None, bf16)] * 4, seed=1, grad_scale=grad_scale)
+        launch([(bf16, torch.int16, bf16)] * 4, seed=1, grad_scale=grad_scale)
+        launch([(fp16, torch.int8, bf16)] * 4, grad_scale=grad_scale)
+        launch([(bf16, torch.int16, "int8")] * 4, grad_scale=grad_scale)
+        launch(mixed, seed=1, grad_scale=grad_scale)
 
 
 # -------------------------------------------------------------------------------------------- CUDA
@@ -423,8 +479,6 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
 
 def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
-    if name == "_adamw_update_kernel" and ("SPLIT8=True" in config or "INT8_STATE=True" in config):
-        max_regs = 80  # the compact variants' cap (kernels/_runtime.py, [note: compact registers])
     if name == "update_kernel" and "compact" in config:
         max_regs = 128  # a lane's whole group ([note: compact registers] in csrc/cuda/compact_update.cuh)
     out = []
@@ -458,6 +512,21 @@ def table(rows: list[dict]) -> str:
         blocks, occ = r["occupancy"]
         lines.append(f"| {r['kernel']} | {r['config']} | {r['threads']} | {r['regs']} | {r['spill_stores']}/{r['spill_loads']} "
                      f"| {r['stack']} | {r['smem_total']} | {r['inner_spills']} | {blocks} | {occ:.0%} |")
+    return "\n".join(lines)
+
+
+def vector_table(rows: list[dict]) -> str:
+    """Global accesses by width in the update variants' aligned full-block loops ([note: vector rule])."""
+    rows = [r for r in rows if "vectors" in r]
+    if not rows:
+        return ""
+    widths = [f"{op}.{bits}" for op in ("LDG", "STG") for bits in (128, 64, 32, 16, 8)]
+    lines = ["Global accesses in the update's aligned block loops (innermost loops that move 128 bits somewhere; "
+             "[note: vector rule] in the script), by instruction and bits a thread moves:", "",
+             "| config | loops | " + " | ".join(widths) + " |", "|---|---:|" + "---:|" * len(widths)]
+    for r in rows:
+        config = r["config"].replace("BLOCK=512, CHUNK=8192, TABLE_BLOCK=1024, EMULATE_FMA=False, ", "")
+        lines.append(f"| {config} | {r['vectors']['loops']} | " + " | ".join(str(r["vectors"][w]) for w in widths) + " |")
     return "\n".join(lines)
 
 
@@ -519,7 +588,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table as markdown here")
     parser.add_argument("--no-cuda", action="store_true", help="skip passes.cu even when nvcc is found")
+    parser.add_argument("--keep", type=Path, help="write each Triton kernel's PTX and SASS into this folder")
     args = parser.parse_args()
+    global KEEP
+    KEEP = args.keep
+    if KEEP is not None:
+        KEEP.mkdir(parents=True, exist_ok=True)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the offline compile needs the GPU code path", file=sys.stderr)
         return 2
@@ -534,6 +608,8 @@ def main() -> int:
             probes, probe_problems = contraction_probes(Path(tmp))
             rows, problems = rows + cuda_rows, problems + cuda_problems + probe_problems
     text = table(rows)
+    if vectors := vector_table(rows):
+        text += "\n\n" + vectors
     extra = cuda_tables(rows, probes)
     if extra:
         text += "\n\n" + extra

@@ -1,6 +1,7 @@
 """Every Triton kernel (and passes.cu, when nvcc is found) compiled for sm_90 offline with
-the configurations the code launches, both from this checkout: no contracted non-finite test, no
-spill in a hot loop, registers and shared memory within budget; with nvcc, global loads/stores,
+the configurations the code launches (every update variant with and without WRITE_GRAD), both from
+this checkout: no contracted non-finite test, no spill in a hot loop, registers and shared memory
+within budget, 128-bit accesses in every update variant's aligned block loop; with nvcc, global loads/stores,
 the compact update's loads before its stores, blocks and bytes in flight per SM of each update
 variant, and no contracted product in the scalar routines. See tests/contract/sm90_compile.py."""
 import importlib.util

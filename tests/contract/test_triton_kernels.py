@@ -133,9 +133,8 @@ def registers(kernel):
 
 sizes = dict(CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK)
 plain = {flag: False for flag in ("SPLIT16", "SPLIT8", "BF16_STATE", "INT8_STATE", "SR")}  # the update without compact state
-lr_args = {f"lr{i}_{part}": "fp32" for i in range(adamw.LR_SLOTS) for part in ("hi", "mid", "lo")}
 update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", grad_scale_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
-                  n_programs="i32", **lr_args, seed_lo="i32", seed_hi="i32")
+                  lrs=("fp32",) * (3 * adamw.LR_SLOTS), seed_lo="i32", seed_hi="i32")  # lrs: three fp32 parts per slot
 update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=False),
                         num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
 ptx = update.asm["ptx"]
@@ -169,9 +168,9 @@ for flags in ((True, True, True, True), (False, False, False, True), (False, Fal
     ptx = k.asm["ptx"]
     assert "__nv_" not in ptx and "atom.global.gpu.acq_rel.add" in ptx and "ld.global.v4" in ptx
     print("stats registers", registers(k))
-# Triton turns an int argument equal to 1 into a constant: one tensor, one program
-compile_kernel(adamw._adamw_update_kernel, {k: v for k, v in update_sig.items() if k not in ("n_tensors", "n_programs")},
-               dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, n_programs=1, EMULATE_FMA=False, WRITE_GRAD=False),
+# Triton turns an int argument equal to 1 into a constant: a launch of one tensor
+compile_kernel(adamw._adamw_update_kernel, {k: v for k, v in update_sig.items() if k != "n_tensors"},
+               dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, n_tensors=1, EMULATE_FMA=False, WRITE_GRAD=False),
                num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False)
 for bf16 in (True, False):
     k = compile_kernel(accumulate._accumulate_kernel, dict(main_grad_ptr="*fp32", grad_ptr="*i16" if bf16 else "*fp16", numel="i32"),
