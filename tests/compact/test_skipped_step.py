@@ -1,0 +1,34 @@
+"""A skipped step (stats[SKIP] set: a non-finite gradient) writes nothing: every compact buffer
+(param, master, moments, int8 codes and scales, step) and the grad keep their bits, on every backend's
+update, with a grad scale and a rounding seed given."""
+import pytest
+import torch
+
+from ampfused._contract import Hyper
+from helpers import UPDATE_MODES, assert_same_state, clone_compact, same_bits
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+
+@pytest.mark.parametrize("param_dtype,master_weights,state_dtype,size", UPDATE_MODES)
+def test_skipped_step_writes_nothing(kernel, param_dtype, master_weights, state_dtype, size):
+    entry = kernel.entry(kernel.size(size, state_dtype), param_dtype, master_weights, state_dtype, amsgrad=True)
+    before = clone_compact(entry)
+    kernel.step([entry], amsgrad=True, skip=1.0, grad_scale=torch.tensor(8.0, device=kernel.device), rounding_seed=5)
+    kernel.sync()
+    assert_same_state(entry, before, "skipped")
+    same_bits(entry[1], before[1], "grad")
+
+
+def test_skipped_step_leaves_every_buffer_of_a_mixed_launch(kernel):
+    """Every mode in one call: nothing of any tensor is written."""
+    entries = [kernel.entry(kernel.size(m.values[3], m.values[2]) // 7 + 1 if m.values[2] != "int8" else
+                            kernel.size(m.values[3], "int8"), *m.values[:3], amsgrad=True, seed=20 + i)
+               for i, m in enumerate(UPDATE_MODES) if m.values[3] == "n"]
+    before = [clone_compact(e) for e in entries]
+    kernel.step(entries, hypers=[Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)], skip=1.0,
+                grad_scale=torch.tensor([8.0], device=kernel.device), rounding_seed=123)
+    kernel.sync()
+    for i, (entry, old) in enumerate(zip(entries, before)):
+        assert_same_state(entry, old, f"tensor {i}")
+        same_bits(entry[1], old[1], f"tensor {i} grad")
