@@ -358,3 +358,67 @@ def constant_entry(n, state_dtype, device, amsgrad=True):
     if amsgrad:
         state["max_exp_avg_sq"] = torch.zeros(n, device=device).to(state_dtype)
     return param, torch.zeros(n, device=device), state
+
+
+# ------------------------------------------------------------------ compact modes through the optimizer (tests/compact)
+
+
+OPT_SIZES = (4096 + 300, 1000, 17)  # one tensor with int8 moments (>= SMALL_TENSOR_NUMEL), two small ones
+
+
+OPT_SCALE = 1024.0  # a power of two: unscaling is exact on every backend
+
+
+OPT_MODES = [("fp32", None), ("split16", None), ("split8", None), (False, None), ("fp32", torch.bfloat16),
+         ("fp32", "int8"), ("split16", torch.bfloat16), ("split8", "int8"), (False, "int8"), (False, torch.bfloat16)]
+
+
+OPT_LOSSY = [m for m in OPT_MODES if m not in (("fp32", None), ("split16", None))]
+
+
+def modes_needed(master_weights, state_dtype, stochastic=False):
+    modes = {"split16": {"split16"}, "split8": {"split8"}}.get(master_weights, set())
+    modes |= {torch.bfloat16: {"bf16"}, "int8": {"int8"}}.get(state_dtype, set())
+    if stochastic:
+        modes.add("sr")
+    return modes
+
+
+def serves_natively(backend, modes) -> bool:
+    return set(modes) <= getattr(_backends.resolve(backend, DEVICE)[0], "COMPACT_MODES", frozenset())
+
+
+def opt_params(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(n, generator=g) / 4).to(dtype).to(DEVICE)) for n in OPT_SIZES]
+
+
+def clone_parameters(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def feed(opt, params, step, bad=False):
+    """Scaled gradients (as a GradScaler leaves them) for ``step``; ``bad`` poisons one element."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g) * OPT_SCALE
+        if bad and i == 0:
+            grad[123] = float("inf")
+        p.grad = grad.to(p.dtype).to(DEVICE)
+    opt.grad_scale = torch.tensor(OPT_SCALE, device=DEVICE)  # torch's scaler protocol (_step_supports_amp_scaling)
+
+
+def run_steps(opt, params, steps, bad_steps=(4,), first=0):
+    for step in range(first, first + steps):
+        feed(opt, params, step, bad=step in bad_steps)
+        opt.step()
+        opt.zero_grad()
+
+
+def full_state(opt, params):
+    """Every param's state decoded to fp32 (and its master), through the public converter."""
+    from ampfused.checkpoint import to_torch_state_dict
+
+    sd = to_torch_state_dict(opt.state_dict(), params)
+    return [sd["state"][i] for i in range(len(params))]
+

@@ -1,11 +1,14 @@
 """Bad compact state is refused by every backend's update op with an error naming the problem, before
-anything is written (the CUDA host emulation runs the device code only: the op's checks are not in it)."""
+anything is written (the CUDA host emulation runs the device code only: the op's checks are not in it);
+bad compact options by the optimizer and the functional API."""
 import re
 
 import pytest
 import torch
 
-from helpers import assert_same_state, clone_compact, same_bits, stats_vector, update_, update_lists
+import ampfused
+from helpers import DEVICE, assert_same_state, clone_compact, opt_params, same_bits, stats_vector, update_
+from helpers import update_lists
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -92,3 +95,42 @@ def test_bad_compact_dtypes_are_refused_before_anything_is_written(checked_kerne
     changes = {k: [torch.zeros(300, dtype=dtype, device=kernel.device) for dtype in v] for k, v in changes.items()}
     refused(kernel, [entry], errors_of(kernel, RuntimeError, (ValueError, TypeError)),
             re.escape(triton_message if kernel.name == "triton" else compiled_message), moment_scales=None, **changes)
+
+
+# ------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(master_weights="split4"), ValueError, "master_weights"),
+    (dict(master_weights="fp16"), ValueError, "master_weights"),
+    (dict(state_dtype=torch.float16), ValueError, "state_dtype"),
+    (dict(state_dtype="int4"), ValueError, "state_dtype"),
+    (dict(stochastic_rounding=1), TypeError, "stochastic_rounding"),
+])
+def test_bad_options_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ampfused.FusedAmpAdamW(opt_params(), **kwargs)
+
+
+def test_split16_refuses_fp16_params():
+    params = opt_params() + [torch.nn.Parameter(torch.randn(10, device=DEVICE).half())]
+    with pytest.raises(ValueError, match="split8"):
+        ampfused.FusedAmpAdamW(params, master_weights="split16")
+    opt = ampfused.FusedAmpAdamW(opt_params(), master_weights="split16")
+    with pytest.raises(ValueError, match="bf16"):
+        opt.add_param_group({"params": [params[-1]]})
+    ampfused.FusedAmpAdamW(params, master_weights="split8")  # fp16 params take split8
+
+
+def test_functional_api_checks_compact_lists():
+    p = torch.randn(4096, device=DEVICE).half()
+    z = torch.zeros(4096, device=DEVICE)
+    with pytest.raises(ValueError, match="split16 needs bf16"):
+        ampfused.functional.fused_amp_adamw([p], [p.clone()], [z], [z.clone()], [None], [torch.zeros(())],
+                                            [torch.zeros(4096, dtype=torch.int16)], lr=1e-3, beta1=0.9, beta2=0.999,
+                                            eps=1e-8, weight_decay=0.0)
+    codes = torch.zeros(4096, dtype=torch.int8)
+    with pytest.raises(ValueError, match="moment_scales"):
+        ampfused.functional.fused_amp_adamw([p], [p.clone()], [codes], [codes.view(torch.uint8)], [None], [torch.zeros(())],
+                                            [None], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
