@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason=f"CUDA
 
 N = 70_001
 SMALL = C.SMALL_TENSOR_NUMEL - 1
-OPT_MODES = [("split16", None), ("split8", "int8"), ("split16", torch.bfloat16), (False, torch.bfloat16),
+NATIVE_MODES = [("split16", None), ("split8", "int8"), ("split16", torch.bfloat16), (False, torch.bfloat16),
              ("fp32", "int8"), (False, "int8")]
 
 
@@ -44,7 +44,7 @@ def cuda_train(params, backend, steps=6, **options):
     return opt
 
 
-@pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
+@pytest.mark.parametrize("master_weights,state_dtype", NATIVE_MODES)
 def test_optimizer_runs_compact_modes_natively_and_near_the_reference(master_weights, state_dtype):
     """Every tensor of these modes is stepped by the CUDA kernel (none goes to the reference passes),
     and the run stays within the encodings' resolution of the reference backend's run (tests/compact/
