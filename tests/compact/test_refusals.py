@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ampfused
+from ampfused import _compact as C
 from helpers import DEVICE, assert_same_state, clone_compact, opt_params, same_bits, stats_vector, update_
 from helpers import update_lists
 
@@ -41,7 +42,7 @@ def errors_of(kernel, compiled, triton):
 
 def test_int8_codes_without_scales_are_refused(checked_kernel):
     kernel = checked_kernel
-    entry = kernel.entry(kernel.size("n", "int8"), torch.bfloat16, "fp32", "int8")
+    entry = kernel.entry(C.SMALL_TENSOR_NUMEL + 300, torch.bfloat16, "fp32", "int8")
     refused(kernel, [entry], errors_of(kernel, RuntimeError, ValueError), "moment_scales", moment_scales=None)
 
 
@@ -49,7 +50,7 @@ def test_int8_codes_without_scales_are_refused(checked_kernel):
 def test_bad_int8_scales_are_refused_before_anything_is_written(checked_kernel, bad):
     """Every tensor is checked before the first write: a bad entry of the second tensor leaves the first untouched."""
     kernel = checked_kernel
-    n = kernel.size("n", "int8")
+    n = C.SMALL_TENSOR_NUMEL + 300
     good = kernel.entry(n, torch.bfloat16, "split8", "int8", seed=70)
     other = kernel.entry(n, torch.bfloat16, "split8", "int8" if bad != "on a float moment" else torch.float32, seed=71)
     scales = update_lists([good, other])["moment_scales"]

@@ -4,8 +4,9 @@ update (with a grad scale and a rounding seed given) and through the optimizer."
 import pytest
 import torch
 
-from ampfused._contract import Hyper
 import ampfused
+from ampfused import _compact as C
+from ampfused._contract import Hyper
 from helpers import OPT_MODES, UPDATE_MODES, assert_bitwise_equal, assert_same_state, clone_compact, feed, opt_params
 from helpers import run_steps, same_bits, snapshot
 
@@ -24,9 +25,9 @@ def test_skipped_step_writes_nothing(kernel, param_dtype, master_weights, state_
 
 def test_skipped_step_leaves_every_buffer_of_a_mixed_launch(kernel):
     """Every mode in one call: nothing of any tensor is written."""
-    entries = [kernel.entry(kernel.size(m.values[3], m.values[2]) // 7 + 1 if m.values[2] != "int8" else
-                            kernel.size(m.values[3], "int8"), *m.values[:3], amsgrad=True, seed=20 + i)
-               for i, m in enumerate(UPDATE_MODES) if m.values[3] == "n"]
+    modes = [m.values[:3] for m in UPDATE_MODES if m.values[3] == "n"]
+    entries = [kernel.entry(C.SMALL_TENSOR_NUMEL + 300 if sd == "int8" else 5000, dt, mw, sd, amsgrad=True, seed=20 + i)
+               for i, (dt, mw, sd) in enumerate(modes)]
     before = [clone_compact(e) for e in entries]
     kernel.step(entries, hypers=[Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)], skip=1.0,
                 grad_scale=torch.tensor([8.0], device=kernel.device), rounding_seed=123)
