@@ -48,7 +48,7 @@ def cuda_train(params, backend, steps=6, **options):
 def test_optimizer_runs_compact_modes_natively_and_near_the_reference(master_weights, state_dtype):
     """Every tensor of these modes is stepped by the CUDA kernel (none goes to the reference passes),
     and the run stays within the encodings' resolution of the reference backend's run (tests/compact/
-    test_compact_optimizer.py holds every backend to the same, with tighter per-mode rules)."""
+    test_optimizer_runs.py holds every backend to the same, with tighter per-mode rules)."""
     options = dict(master_weights=master_weights, state_dtype=state_dtype)
     native_params, ref_params = cuda_params(), cuda_params()
     opt = cuda_train(native_params, "cuda", **options)
