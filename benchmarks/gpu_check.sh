@@ -19,7 +19,8 @@
 #   gpu_tests 60 (pytest -m gpu: no sync, CUDA graphs incl. 30 groups + bf16 lr and compact state,
 #     launches, kernels at size)
 #   compact 35 (the CUDA kernel's compact modes against the specification and the reference:
-#     tests/compact/test_cuda_compact.py, its own stage so that a timeout of either keeps the other)
+#     the cuda cases of tests/compact (-k "cuda and not emulated"), its own stage so that a timeout of
+#     either keeps the other)
 #   bench 65 (fp32 and bf16 steps at 124M and 1B vs stock fused + clip_grad_norm_, copy roofline)
 #   memory 65 (the memory sweep: every compact mode's ms/step and kept B/param, measured, at the GPU
 #     plan's 124M GPT-2-like shapes and 1B, against stock fused and ampfused fp32 masters)
@@ -111,9 +112,9 @@ if [ "$build_rc" != 0 ]; then
     echo "build failed (rc=$build_rc): the tests would run a stale or CPU-only ampfused; see build.log" | tee -a "$summary"
 fi
 # (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree)
-stage gpu_tests 60 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --deselect tests/compact/test_cuda_compact.py \
+stage gpu_tests 60 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --ignore=tests/compact \
     --junitxml="$WORK/gpu_tests.xml"
-stage compact 35 "$ROOT" pytest tests/compact/test_cuda_compact.py -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
+stage compact 35 "$ROOT" pytest tests/compact -k "cuda and not emulated" -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
 stage bench 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
 # (the GPU plan's memory cases: its 124M gpt2-like shapes and the largest --sizes, 1B)
 stage memory 65 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --sizes 1B --gate-steps 1 --out "$WORK/memory"

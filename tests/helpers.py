@@ -1,10 +1,13 @@
 """Helpers shared by the semantic tests: tolerances per backend and state comparison."""
+from pathlib import Path
+
 import torch
 
 from ampfused import _backends
 from ampfused.check import KERNEL_TOLERANCE, TOLERANCES  # one table for the tests and `python -m ampfused check`
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
 
 def available_backends(device=DEVICE):
@@ -84,8 +87,10 @@ def clone_compact(entry):
 
 
 def same_bits(actual, expected, what):
-    """Bitwise equality of two tensors of one dtype and shape, NaN == NaN whatever the payload."""
+    """Bitwise equality of two tensors (or arrays) of one dtype and shape, NaN == NaN whatever the payload."""
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    actual, expected = actual.reshape(-1), expected.reshape(-1)
     if actual.is_floating_point():
         width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
         nan = torch.isnan(expected)
@@ -164,24 +169,42 @@ def update_lists(entries):
     return out
 
 
-def compact_update(backend, entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None,
-                   rounding_seed=None):
-    """One ``backend.adamw_update_`` of ``entries`` (one group, COMPACT_HYPER), the stats slots set."""
+def stats_vector(factor=1.0, skip=0.0, device=DEVICE):
+    """The stats slots grad_stats_ would have left: FACTOR and SKIP set, the rest zero."""
     from ampfused._contract import FACTOR, SKIP
 
-    lists = update_lists(entries)
-    stats = torch.zeros(4, device=entries[0][0].device)
+    stats = torch.zeros(4, device=device)
     stats[FACTOR], stats[SKIP] = factor, skip
-    backend.adamw_update_(batch_of(lists, [0] * len(entries), [compact_hyper(amsgrad, maximize)]), stats,
-                          grad_scale=grad_scale, rounding_seed=rounding_seed)
+    return stats
 
 
-def batch_of(lists, group_ids, groups):
+def update_(backend, lists, group_ids, groups, stats, *, grad_scale=None, moment_scales=..., rounding_seed=None):
+    """The one place tests/compact calls a backend's ``adamw_update_`` (over a ``_contract.Batch``):
+    ``lists`` as ``update_lists`` builds them; ``moment_scales`` defaults to theirs."""
+    if moment_scales is ...:
+        moment_scales = lists.get("moment_scales")
+    backend.adamw_update_(batch_of(lists, group_ids, groups, moment_scales), stats, grad_scale=grad_scale,
+                          rounding_seed=rounding_seed)
+
+
+def batch_of(lists, group_ids, groups, moment_scales=...):
     """The ``_contract.Batch`` the backends' passes take, from ``update_lists``' dict."""
     from ampfused._contract import Batch
 
+    if moment_scales is ...:
+        moment_scales = lists.get("moment_scales")
     return Batch(lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"], lists["max_exp_avg_sqs"],
-                 lists["steps"], lists["masters"], group_ids, groups, lists.get("moment_scales"))
+                 lists["steps"], lists["masters"], group_ids, groups, moment_scales)
+
+
+def compact_update(backend, entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None,
+                   rounding_seed=None, hypers=None, group_ids=None):
+    """One ``backend.adamw_update_`` of ``entries``: one group of COMPACT_HYPER unless ``hypers`` (a list of
+    ``Hyper``) and ``group_ids`` say otherwise; the stats slots set."""
+    hypers = hypers or [compact_hyper(amsgrad, maximize)]
+    group_ids = [0] * len(entries) if group_ids is None else list(group_ids)
+    update_(backend, update_lists(entries), group_ids, hypers, stats_vector(factor, skip, entries[0][0].device),
+            grad_scale=grad_scale, rounding_seed=rounding_seed)
 
 
 def decoded_twin(entry):
@@ -190,3 +213,222 @@ def decoded_twin(entry):
 
     param, grad, state = entry
     return param.clone(), grad.clone(), {k: t.clone() for k, t in _compact.decode_state(state, param).items()}
+
+
+# ------------------------------------------------------------------ compact update harness (tests/compact)
+
+
+class Kernel:
+    """One backend's update pass under test in tests/compact (tests/compact/conftest.py builds them):
+    the module with ``adamw_update_``, the device of its tensors, and the sizes its geometry needs.
+
+    ``unit``: the elements one work unit takes (65536-element CPU ranges and CUDA chunks, a Triton
+    chunk); ``n``: a size with a ragged tail past the first unit; ``sr_n``: enough elements for the
+    stochastic-rounding statistics. ``spec_bitwise``: the moments (int8 codes and scales too) and
+    step equal the spec's torch-op step bit for bit, not only within a grid step. ``master_rtol``:
+    how far a decoded split master may sit from the spec's. ``checks``: the op validates its inputs
+    (the CUDA host emulation only runs the device code)."""
+
+    def __init__(self, name, backend, device, n, sr_n, unit, spec_bitwise=False, master_rtol=None, checks=True):
+        self.name, self.backend, self.device, self.n, self.sr_n = name, backend, torch.device(device), n, sr_n
+        self.unit = unit
+        self.spec_bitwise, self.checks = spec_bitwise, checks
+        self.master_rtol = master_rtol or {"master_low16": 1e-6, "master_residual8": 1e-6}
+
+    def __repr__(self):
+        return self.name
+
+    def size(self, size, state_dtype):
+        """A mode's size: "n" (int8 moments need SMALL_TENSOR_NUMEL elements), or an int."""
+        from ampfused import _compact as C
+
+        if size != "n":
+            return size
+        return max(self.n, C.SMALL_TENSOR_NUMEL + 300) if state_dtype == "int8" else self.n
+
+    def entry(self, n, param_dtype, master_weights, state_dtype, amsgrad=False, seed=0, offset=0):
+        return compact_entry(n, param_dtype, master_weights, state_dtype, self.device, amsgrad, seed, offset)
+
+    def step(self, entries, **kwargs):
+        compact_update(self.backend, entries, **kwargs)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+# (param dtype, master_weights, state_dtype, size): every pair the compact kernels serve, at the
+# kernel's size ("n") and at the int8 threshold's edges (int8 moments from SMALL_TENSOR_NUMEL on)
+def _modes():
+    import pytest
+    from ampfused import _compact as C
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    rows = [
+        (bf16, "split16", fp32, "n", "split16"), (bf16, "split16", bf16, "n", "split16-bf16-moments"),
+        (bf16, "split8", fp32, "n", "split8-bf16"), (bf16, "split8", bf16, "n", "split8-bf16-bf16-moments"),
+        (fp16, "split8", fp32, "n", "split8-fp16"), (fp16, "split8", bf16, "n", "split8-fp16-bf16-moments"),
+        (bf16, "fp32", bf16, "n", "bf16-moments"), (fp16, "fp32", bf16, "n", "fp16-param-bf16-moments"),
+        (bf16, "none", bf16, "n", "no-master-bf16-moments"), (fp16, "none", bf16, "n", "no-master-fp16-bf16-moments"),
+        (fp32, "fp32", bf16, "n", "fp32-param-bf16-moments"),
+        (bf16, "split16", "int8", "n", "split16-int8"), (bf16, "split8", "int8", "n", "split8-int8"),
+        (fp16, "split8", "int8", "n", "split8-fp16-int8"), (bf16, "fp32", "int8", "n", "fp32-master-int8"),
+        (bf16, "none", "int8", "n", "no-master-int8"), (fp32, "fp32", "int8", "n", "fp32-int8"),
+        (fp32, "fp32", "int8", C.SMALL_TENSOR_NUMEL, "fp32-int8-one-block-row"),
+        (bf16, "split8", "int8", C.SMALL_TENSOR_NUMEL - 1, "below-int8-threshold"),
+    ]
+    return [pytest.param(*row[:4], id=row[4]) for row in rows]
+
+
+UPDATE_MODES = _modes()
+
+
+def spec_step(param, grad, state, hyper, factor=1.0, skip=0.0, stochastic=False):
+    """``_compact.compact_adamw_step_`` (the specification) of one entry under ``hyper`` (a ``Hyper``)."""
+    from ampfused import _compact as C
+
+    C.compact_adamw_step_(param, grad, state, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                          weight_decay=hyper.weight_decay, amsgrad=hyper.amsgrad, maximize=hyper.maximize,
+                          factor=torch.tensor(float(factor), device=param.device),
+                          skip=torch.tensor(float(skip), device=param.device), stochastic_rounding=stochastic,
+                          generator=torch.Generator(param.device).manual_seed(1) if stochastic else None)
+
+
+def encoded(twin, master_weights, state_dtype, like=()):
+    """The fp32 path's results (a decoded twin after its step) encoded by the specification; int8 codes
+    too for the moments ``like`` (a state's keys) holds as codes under SMALL_TENSOR_NUMEL. The int8
+    scales of ``quantize(.., "sqrt")`` take a correctly rounded sqrt, as the kernels' sqrt_rn."""
+    from ampfused import _compact as C
+
+    param, grad, state = twin
+    param = param.clone()
+    out = C.encode_state(param, state, master_weights, state_dtype)
+    for key in C.MOMENTS:
+        if key + "_codes" in like and key in out:
+            del out[key]
+            out[key + "_codes"], out[key + "_scales"] = C.quantize(state[key], "signed" if key == "exp_avg" else "sqrt")
+    return param, grad, out
+
+
+def assert_close_to_spec(kernel, actual, expected, what):
+    """A kernel's compact step against ``compact_adamw_step_`` (torch ops, whose fp32 division and sqrt
+    may round an ulp differently): the param within its rounding, a decoded master within
+    ``kernel.master_rtol``; the moments and step bitwise where ``kernel.spec_bitwise``, else an
+    encoding at most one grid step off."""
+    from ampfused import _compact as C
+
+    (a_param, _, a_state), (e_param, _, e_state) = actual, expected
+    assert a_state.keys() == e_state.keys(), what
+    torch.testing.assert_close(a_param.float(), e_param.float(), rtol=2 ** -7, atol=1e-5, msg=f"{what} param")
+    for key in e_state:
+        got, want = a_state[key], e_state[key]
+        if key in ("master_low16", "master_residual8"):
+            torch.testing.assert_close(C.decode_state(a_state, a_param)["master_param"],
+                                       C.decode_state(e_state, e_param)["master_param"],
+                                       rtol=kernel.master_rtol[key], atol=1e-7, msg=f"{what} master")
+        elif kernel.spec_bitwise and key != "master_param":
+            same_bits(got, want, f"{what} {key}")
+        elif key.endswith("_codes"):
+            assert (got.int() - want.int()).abs().max().item() <= 1, f"{what} {key}: a code more than one grid step off"
+        elif got.dtype == torch.bfloat16:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0, msg=f"{what} {key}")
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"{what} {key}")
+
+
+def check_step(kernel, entries, modes, hypers=None, group_ids=None, against_spec=True, **kwargs):
+    """One ``kernel`` step of ``entries`` (compact; ``modes``: their (master_weights, state_dtype)),
+    each held bit for bit to the kernel's fp32 path on its decoded state (the "twin") with the results
+    encoded by the specification, and close to the spec's own step (``against_spec=False``: int8
+    states under SMALL_TENSOR_NUMEL, which the spec would re-encode as fp32). Returns the twins."""
+    amsgrad, maximize = kwargs.pop("amsgrad", False), kwargs.pop("maximize", False)
+    hypers = hypers or [compact_hyper(amsgrad, maximize)]
+    group_ids = [0] * len(entries) if group_ids is None else list(group_ids)
+    twins = [decoded_twin(e) for e in entries]
+    spec = [clone_compact(e) for e in entries]
+    kernel.step(entries, hypers=hypers, group_ids=group_ids, **kwargs)
+    kernel.step(twins, hypers=hypers, group_ids=group_ids, **kwargs)
+    for i, (entry, twin, ref, (master_weights, state_dtype)) in enumerate(zip(entries, twins, spec, modes, strict=True)):
+        what = f"{kernel.name} tensor {i} ({master_weights}/{state_dtype})"
+        assert_same_state(entry, encoded(twin, master_weights, state_dtype, like=set(entry[2])), what)
+        if against_spec:
+            spec_step(*ref, hypers[group_ids[i]], factor=kwargs.get("factor", 1.0))
+            assert_close_to_spec(kernel, entry, ref, what)
+    return twins
+
+
+def constant_entry(n, state_dtype, device, amsgrad=True):
+    """Every element alike, zero grads: each write is one fp32 value strictly between two bf16 values
+    (exp_avg 0.9: 0.4 of a bf16 ulp above the lower one, exp_avg_sq 0.999: 0.75), so round to nearest
+    is biased and stochastic rounding must average to the fp32 value. The AMSGrad buffer starts below
+    the new exp_avg_sq."""
+    param = torch.ones(n, dtype=torch.bfloat16, device=device)
+    state = {"step": torch.tensor(4.0, device=device), "exp_avg": torch.ones(n, device=device).to(state_dtype),
+             "exp_avg_sq": torch.ones(n, device=device).to(state_dtype)}
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.zeros(n, device=device).to(state_dtype)
+    return param, torch.zeros(n, device=device), state
+
+
+# ------------------------------------------------------------------ compact modes through the optimizer (tests/compact)
+
+
+OPT_SIZES = (4096 + 300, 1000, 17)  # one tensor with int8 moments (>= SMALL_TENSOR_NUMEL), two small ones
+
+
+OPT_SCALE = 1024.0  # a power of two: unscaling is exact on every backend
+
+
+OPT_MODES = [("fp32", None), ("split16", None), ("split8", None), (False, None), ("fp32", torch.bfloat16),
+         ("fp32", "int8"), ("split16", torch.bfloat16), ("split8", "int8"), (False, "int8"), (False, torch.bfloat16)]
+
+
+OPT_LOSSY = [m for m in OPT_MODES if m not in (("fp32", None), ("split16", None))]
+
+
+def modes_needed(master_weights, state_dtype, stochastic=False):
+    modes = {"split16": {"split16"}, "split8": {"split8"}}.get(master_weights, set())
+    modes |= {torch.bfloat16: {"bf16"}, "int8": {"int8"}}.get(state_dtype, set())
+    if stochastic:
+        modes.add("sr")
+    return modes
+
+
+def serves_natively(backend, modes) -> bool:
+    return set(modes) <= getattr(_backends.resolve(backend, DEVICE)[0], "COMPACT_MODES", frozenset())
+
+
+def opt_params(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(n, generator=g) / 4).to(dtype).to(DEVICE)) for n in OPT_SIZES]
+
+
+def clone_parameters(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def feed(opt, params, step, bad=False):
+    """Scaled gradients (as a GradScaler leaves them) for ``step``; ``bad`` poisons one element."""
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g) * OPT_SCALE
+        if bad and i == 0:
+            grad[123] = float("inf")
+        p.grad = grad.to(p.dtype).to(DEVICE)
+    opt.grad_scale = torch.tensor(OPT_SCALE, device=DEVICE)  # torch's scaler protocol (_step_supports_amp_scaling)
+
+
+def run_steps(opt, params, steps, bad_steps=(4,), first=0):
+    for step in range(first, first + steps):
+        feed(opt, params, step, bad=step in bad_steps)
+        opt.step()
+        opt.zero_grad()
+
+
+def full_state(opt, params):
+    """Every param's state decoded to fp32 (and its master), through the public converter."""
+    from ampfused.checkpoint import to_torch_state_dict
+
+    sd = to_torch_state_dict(opt.state_dict(), params)
+    return [sd["state"][i] for i in range(len(params))]
+

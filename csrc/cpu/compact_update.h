@@ -158,7 +158,7 @@ void step_moments(float* __restrict w, const float* __restrict g, const UpdateRa
 AMPFUSED_HD uint32_t abs_bits(float x) { return compact::bits_of(x) & 0x7FFFFFFFu; }
 
 // Branch-free twins of compact_math.h's int8 codecs (the same bits, selects instead of early
-// returns, so that the block loops vectorize; tests/compact/test_cpu_compact.py holds them to the
+// returns, so that the block loops vectorize; tests/compact/test_update_matches_spec.py holds them to the
 // specification). unit_code: |y| to its grid code, 0 for a non-finite y.
 template <int MANT, int ONE>
 AMPFUSED_HD uint32_t unit_code(float y) {

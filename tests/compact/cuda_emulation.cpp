@@ -1,5 +1,5 @@
 // Host emulation of the CUDA compact update (csrc/cuda/compact_update.cuh) for
-// tests/compact/test_cuda_emulation.py: the device code compiled by the host compiler, a block's
+// the cuda-emulated kernel of tests/compact/conftest.py: the device code compiled by the host compiler, a block's
 // threads run as std::threads, warp shuffles exchange through a barrier. It checks the code's
 // walk (lanes, groups, tails, int8 blocks and their scales, the random bits) on a machine without
 // a GPU; the device's own arithmetic (intrinsics, fma contraction) only a GPU run checks.

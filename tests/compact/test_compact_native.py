@@ -9,32 +9,17 @@ import ctypes
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from ampfused import _compact as C
+from helpers import ROOT, same_bits
 from test_compact_encodings import BF16_FIELDS, FP16_FIELDS, every_high_half, random_in_binades, wide_range
 
-ROOT = Path(__file__).resolve().parents[2]
 # NaN and inf inputs are the point; the Triton interpreter's numpy reports them as warnings
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
-
-
-def same_bits(actual, expected, what):
-    """Bitwise equality of two tensors of one dtype, NaN == NaN whatever the payload."""
-    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
-    assert actual.shape == expected.shape, what
-    if actual.is_floating_point():
-        nan = torch.isnan(expected)
-        assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
-        actual, expected = actual[~nan], expected[~nan]
-        width = {2: torch.int16, 4: torch.int32}[actual.element_size()]
-        actual, expected = actual.view(width), expected.view(width)
-    bad = (actual != expected).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.shape[0]} of {expected.numel()} differ, first at {bad[:3].flatten().tolist()}"
 
 
 def masters():

@@ -9,7 +9,7 @@ of its own lists than of the step's; both shares must still draw the bits the re
 the whole step. The AdamW math of the step is exact on every backend (``lr = 0`` where grads and
 moments are random; zero grads and moments where the weights decay), so any difference is a
 difference of random bits. The CUDA kernel runs through the host emulation
-(tests/compact/test_cuda_emulation.py).
+(the ``cuda_emulation`` fixture of tests/compact/conftest.py).
 """
 import pytest
 import torch
@@ -18,7 +18,6 @@ from ampfused import _backends
 from ampfused import _compact as C
 from ampfused.functional import fused_amp_adamw
 from helpers import DEVICE, same_bits
-from test_cuda_emulation import EmulatedCuda, library  # noqa: F401  (library: the emulation's build fixture)
 
 N = 5000  # several int8 blocks' worth, a ragged tail, and more than one interpreter block
 SEED = 2**61 + 987654321  # both seed words non-zero
@@ -84,9 +83,9 @@ def test_every_backend_draws_the_reference_bits(backend):
     assert_same_step(run(backend), run("reference"), backend)
 
 
-def test_the_cuda_kernel_draws_the_reference_bits(library, monkeypatch):  # noqa: F811
+def test_the_cuda_kernel_draws_the_reference_bits(cuda_emulation, monkeypatch):
     expected = run("reference")
-    emulated = EmulatedCuda(library)
+    emulated = cuda_emulation
     monkeypatch.setattr(_backends, "resolve", lambda requested, device: (emulated, "emulated cuda"))
     assert_same_step(run(None), expected, "emulated cuda")
 

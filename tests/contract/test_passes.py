@@ -15,7 +15,7 @@ from ampfused import _backends, _compiled, reference
 from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper
 from ampfused.functional import group_hypers
 import testing_extension
-from helpers import DEVICE
+from helpers import DEVICE, stats_vector
 
 SIZES = (1, 97, 1025, 65537)
 LOW = (torch.float16, torch.bfloat16)
@@ -37,11 +37,6 @@ def module(name):
 def ids(case):
     pd, gd, master = case
     return f"{str(pd)[6:]}-{str(gd)[6:]}-{'master' if master else 'nomaster'}"
-
-
-def stats_vector(factor=1.0, skip=0.0):
-    """What grad_stats_ would have written, for driving adamw_update_ on its own."""
-    return torch.tensor([0.0, skip, factor, 0.0], device=DEVICE)
 
 
 def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misalign=False):

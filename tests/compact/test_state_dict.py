@@ -1,0 +1,172 @@
+"""Checkpoints of compact state through the optimizer, on every backend: state_dict round-trips bit for
+bit and continues the same run, torch.optim.AdamW's state dict loads into every mode, to_torch_state_dict
+loads into torch, DCP round-trips, a mismatched mode is refused before any write, and the options
+survive repr, pickle and deepcopy."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import ampfused
+from ampfused import _compact as C
+from ampfused.checkpoint import to_torch_state_dict
+from helpers import DEVICE, OPT_MODES, assert_bitwise_equal, clone_parameters, full_state, opt_params, run_steps, snapshot
+
+
+@pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
+def test_state_dict_round_trips_bitwise(backend, master_weights, state_dtype):
+    kw = dict(lr=1e-2, amsgrad=True, master_weights=master_weights, state_dtype=state_dtype, backend=backend)
+    params = opt_params()
+    opt = ampfused.FusedAmpAdamW(params, **kw)
+    run_steps(opt, params, 3)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    for i, entry in enumerate(saved["opt"]["state"].values()):  # the documented keys of the mode
+        assert set(entry) == {"step"} | set(opt._state_room.keys(params[i], True)), entry.keys()
+    restored_params = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    restored = ampfused.FusedAmpAdamW(restored_params, **kw)
+    restored.load_state_dict(saved["opt"])
+    for p, q in zip(params, restored_params):
+        assert opt.state[p].keys() == restored.state[q].keys()
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], restored.state[q][key]), key
+    torch.manual_seed(5)
+    run_steps(opt, params, 2, first=10)
+    torch.manual_seed(5)
+    run_steps(restored, restored_params, 2, first=10)
+    assert all(torch.equal(p, q) for p, q in zip(params, restored_params))
+
+
+@pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
+def test_torch_adamw_state_dict_loads_into_every_mode(backend, master_weights, state_dtype):
+    params = opt_params()
+    fp32_params = [torch.nn.Parameter(p.detach().float()) for p in params]
+    torch_opt = torch.optim.AdamW(fp32_params, lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p in fp32_params:
+            p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+        torch_opt.step()
+    torch_sd = torch_opt.state_dict()
+    with torch.no_grad():
+        for p, q in zip(params, fp32_params):
+            p.copy_(q)  # the model's weights, rounded to bf16
+    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, master_weights=master_weights, state_dtype=state_dtype, backend=backend)
+    opt.load_state_dict(torch_sd)
+    run_steps(opt, params, 0)  # (no step: state_dict() takes pending masters from the params)
+    for i, (p, decoded) in enumerate(zip(params, full_state(opt, params))):
+        want = torch_sd["state"][i]
+        assert decoded["step"].item() == 3.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            if state_dtype is None or (state_dtype == "int8" and p.numel() < C.SMALL_TENSOR_NUMEL):
+                assert torch.equal(decoded[key], want[key])
+            elif state_dtype is torch.bfloat16:
+                assert torch.equal(decoded[key], want[key].to(torch.bfloat16).float())
+            else:
+                torch.testing.assert_close(decoded[key], want[key], rtol=0.13, atol=1e-3 * want[key].abs().max().item())
+        if master_weights is not False:  # a torch state has no master: the param is the master, exactly
+            assert torch.equal(decoded["master_param"], p.detach().float())
+    run_steps(opt, params, 2)
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
+def test_to_torch_state_dict_loads_into_torch_adamw(backend, master_weights, state_dtype):
+    params = opt_params()
+    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, master_weights=master_weights, state_dtype=state_dtype, backend=backend)
+    run_steps(opt, params, 3)
+    sd = opt.state_dict()
+    torch_sd = to_torch_state_dict(sd, params)
+    for entry in torch_sd["state"].values():
+        assert not any(C.is_compact_key(k) for k in entry)
+        assert entry["exp_avg"].dtype == torch.float32
+    masters = [torch.nn.Parameter(torch_sd["state"][i].get("master_param", p.detach().float()).clone())
+               for i, p in enumerate(params)]
+    torch_opt = torch.optim.AdamW(masters, lr=1e-2)
+    torch_opt.load_state_dict(torch_sd)
+    for i, p in enumerate(masters):
+        assert torch.equal(torch_opt.state[p]["exp_avg"], torch_sd["state"][i]["exp_avg"])
+        assert torch.equal(p.detach().to(torch.bfloat16), params[i].detach())  # the param is RNE of its master
+    # and back: the fp32 form (with masters) into an ampfused fp32-mode optimizer
+    fp32 = ampfused.FusedAmpAdamW(clone_parameters(params), lr=1e-2, backend=backend)
+    fp32.load_state_dict(torch_sd)
+
+
+@pytest.mark.parametrize("master_weights,state_dtype", [("split16", torch.bfloat16), ("split8", "int8")])
+def test_dcp_round_trip_at_the_same_world_size(backend, master_weights, state_dtype, tmp_path):
+    """torch.distributed.checkpoint save/load of compact state (one process: DCP without a process
+    group) through get_state_dict/set_state_dict: every compact buffer back bitwise."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 8)).to(DEVICE, torch.bfloat16)
+        opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, master_weights=master_weights, state_dtype=state_dtype,
+                                     backend=backend)
+        return model, opt
+
+    model, opt = build()
+    for _ in range(2):
+        model(torch.randn(4, 80, device=DEVICE, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+        model2, opt2 = build()
+        model_sd, optim_sd = get_state_dict(model2, opt2)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+        set_state_dict(model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == opt2.state[q].keys()
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+
+
+def test_mismatched_compact_mode_is_refused_before_any_write(backend):
+    params = opt_params()
+    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, master_weights="split8", state_dtype="int8", backend=backend)
+    run_steps(opt, params, 2)
+    sd = opt.state_dict()
+    other_params = clone_parameters(params)
+    other = ampfused.FusedAmpAdamW(other_params, lr=0.5, master_weights="split16", backend=backend)
+    run_steps(other, other_params, 1)
+    before = snapshot(other, other_params)
+    with pytest.raises(ValueError, match="to_torch_state_dict"):
+        other.load_state_dict(sd)
+    assert_bitwise_equal(before, snapshot(other, other_params))
+    assert other.param_groups[0]["lr"] == 0.5
+    broken = copy.deepcopy(sd)
+    broken["state"][0]["exp_avg_scales"] = broken["state"][0]["exp_avg_scales"][:-1]
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(broken)
+    other.load_state_dict(to_torch_state_dict(sd, params))  # the way the message names
+
+
+@pytest.mark.parametrize("master_weights,state_dtype", [("split16", torch.bfloat16), ("split8", "int8")])
+def test_options_survive_repr_pickle_and_deepcopy(master_weights, state_dtype):
+    params = opt_params()
+    opt = ampfused.FusedAmpAdamW(params, master_weights=master_weights, state_dtype=state_dtype, stochastic_rounding=True,
+                                 backend="reference")
+    run_steps(opt, params, 2)
+    text = repr(opt)
+    assert f"{master_weights} master weights" in text and "stochastic_rounding: True" in text
+    assert ("int8" if state_dtype == "int8" else "bfloat16") in text
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert (copied.master_weights, copied.state_dtype, copied.stochastic_rounding) == (master_weights, state_dtype, True)
+        new_params = copied.param_groups[0]["params"]
+        for p, q in zip(params, new_params):
+            for key in opt.state[p]:
+                assert torch.equal(opt.state[p][key], copied.state[q][key])
+        run_steps(copied, new_params, 1)
+
