@@ -210,7 +210,7 @@ def _may_overlap(t: Tensor) -> bool:
 def check_grad(p: Tensor, grad: Tensor) -> None:
     """A gradient the passes can read for ``p``: dense, same shape and device, a kernel dtype.
 
-    [note: one grad check] The one Python check of a gradient: the optimizer runs it when it builds
+    The one Python check of a gradient: the optimizer runs it when it builds
     a step plan (and at each adoption into fp32 storage), the functional API on every call; the
     Python backends trust it (the C++ ops keep their own checks: they are public through torch.ops).
     """
@@ -218,7 +218,7 @@ def check_grad(p: Tensor, grad: Tensor) -> None:
         raise RuntimeError("FusedAmpAdamW does not support sparse gradients")
     if grad.shape != p.shape:
         raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
-    # [note: grad dtype] autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
+    # autograd gives p.dtype, or p.grad_dtype when the user set one (fp32 grads
     # for bf16 params are fine); the kernels read float32, float16 and bfloat16.
     if p.dtype in WIDE_DTYPES or grad.dtype in WIDE_DTYPES:
         if grad.dtype != p.dtype:

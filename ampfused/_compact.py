@@ -27,7 +27,7 @@ RNE(m)`` and the rounding error ``e = m - p`` (exact in fp32, ``|e| <= ulp(p)/2`
 for zeros and subnormals). Error bound: ``|join8(split8(m)) - m| <= ulp(p)/512`` whenever
 ``|e| <= 255/512 ulp(p)`` and ``<= ulp(p)/256`` always (the clamp at ±127 keeps ``RNE(join8) ==
 p``), i.e. about 2^-16 (bf16) / 2^-19 (fp16) relative, 2^-15 / 2^-18 at worst. Masters whose param
-overflows (``|m| >= 65520`` for fp16) decode to the param's ``±inf``. [note: power-of-two residual]
+overflows (``|m| >= 65520`` for fp16) decode to the param's ``±inf``.
 FlashOptim spreads 255 codes over ``[-ulp/2, ulp/2]`` (uniform ``ulp/508``, but a rounded decode);
 a power-of-two unit makes ``join8`` exact and idempotent (``split8(join8(p, q)) == (p, q)``), the
 same bits on every backend, at the price of the ``ulp/256`` band next to the clamp.

@@ -5,7 +5,7 @@ dispatcher (CPU kernels always, CUDA kernels when it was built with them); this 
 lazily, says why when it cannot, and adapts the passes of ``ampfused._contract.Backend`` to the op
 signatures.
 
-[note: never break import] Nothing here runs at ``import ampfused``: ``_backends`` imports this
+Nothing here runs at ``import ampfused``: ``_backends`` imports this
 module on first use, and every failure to load the shared object (missing, built against another
 torch, broken) becomes a reason string for ``python -m ampfused info``, never an exception.
 """
@@ -131,7 +131,7 @@ def get_backend(device_type: str):
 def _as_kernel_input(t: Tensor, like: Tensor | None = None) -> Tensor:
     """``t`` (a checked grad: ``_args.check_grad``) dense and laid out as ``like`` (the param).
 
-    [note: dense of any memory format] A channels_last grad of a channels_last param is used as it
+    A channels_last grad of a channels_last param is used as it
     is; only a grad whose strides differ from its param's is copied, into the param's strides.
     """
     if like is None:

@@ -189,7 +189,7 @@ class Field(NamedTuple):
     triton: bool = True
 
 
-# [note: records] One tensor of the update pass, as the op or the Triton builder checked it: the
+# One tensor of the update pass, as the op or the Triton builder checked it: the
 # only per-tensor record. The CPU hot loops take element ranges of it, the CUDA update reads an
 # array of it from device memory, the Triton update one int64 row of it per tensor; so it holds
 # plain addresses and fixed-width integers only. Addresses are 0/nullptr where a tensor is absent.
@@ -315,7 +315,7 @@ def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, 
             check_nonfinite: bool = True) -> None:
     """The stats pass's epilogue from ``stats[SUMSQ]`` and the element flag ``stats[SKIP]``.
 
-    [note: skip only on elements] Only an inf/NaN element (or ``found_inf``) skips: a finite
+    Only an inf/NaN element (or ``found_inf``) skips: a finite
     gradient whose fp32 sum of squares overflows has norm inf, steps unclipped without clipping,
     and with clipping gets ``coef = c / (inf + 1e-6) = 0`` -- both exactly what torch does.
     Kernel backends run this in the last program of their stats launch; a distributed caller can

@@ -199,7 +199,7 @@ def _deref(ref):
 def _grad_layouts(grads: list) -> tuple | None:
     """Dtype and strides of every grad, read with C-level maps (no Python call per grad).
 
-    [note: fresh grads] zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
+    zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
     them when they look like the grads it checked -- then only their addresses are new, which the
     backends' tables read from ``data_ptr()`` -- else the step re-validates through ``_args.check_grad``. Shape
     and device need no reading: torch's ``p.grad`` setter and autograd refuse a grad of another size

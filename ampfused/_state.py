@@ -1,12 +1,12 @@
 """The optimizer's state room: flat buffers, per-param views, layout changes, lazy state.
 
-[note: flat state] ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``master_param`` (and, in
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``master_param`` (and, in
 ``_main_grad``, ``main_grad``) each live in one fp32 buffer per device; ``optimizer.state[p]`` holds
 views with the shapes torch.optim.AdamW uses. Every view starts on a 128-byte boundary so that
 vectorized kernels never straddle two params in one access and every view is 16-byte aligned. The
 step counters live in one fp32 vector, ``state[p]["step"]`` a 0-d view of it.
 
-[note: memory formats] A view gets the strides of its param (``channels_last`` included), as
+A view gets the strides of its param (``channels_last`` included), as
 ``torch.zeros_like(p, memory_format=torch.preserve_format)`` would: any dense, non-overlapping
 tensor covers one block of ``numel`` elements, and with equal strides element ``i`` of that block is
 the same logical element in param, grad and every state tensor, so the passes stay element-wise

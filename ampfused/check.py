@@ -9,7 +9,7 @@ table (backend x case: pass/fail, worst error as a fraction of what the rule all
 returns non-zero on any failure; each failure names the case, the step, the tensor or state key and
 the first element that breaks the rule, with the value got and expected.
 
-[note: lockstep] The oracle steps alone and is snapshotted after every step; before step k the run
+The oracle steps alone and is snapshotted after every step; before step k the run
 under test is loaded with the oracle's params and state after step k-1. Every comparison is then
 one step from the same bits, so the per-step rules of the kernel tests apply and errors never
 compound. The oracle is the reference on the same device (the test suite's convention); the

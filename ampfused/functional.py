@@ -262,7 +262,7 @@ def run_step(backend, batch: Batch, options: StepOptions) -> tuple[Tensor | None
 
 
 def rounding_seed(device: torch.device) -> int:
-    """The seed of one step's stochastic rounding ([note: rounding seed]): drawn on the host from
+    """The seed of one step's stochastic rounding: drawn on the host from
     torch's default CPU generator, so nothing syncs with the device and ``torch.manual_seed``
     reproduces a run. A CUDA graph would replay the captured seed, so capture is refused."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -88,7 +88,7 @@ class FusedAmpAdamW(Optimizer):
                             keep_scaled_grads=keep_scaled_grads, differentiable=differentiable, backend=backend,
                             master_weights=master_weights, state_dtype=state_dtype,
                             stochastic_rounding=stochastic_rounding)
-        # [note: optimizer-wide options] like max_grad_norm, these act on the whole step (one stats
+        # like max_grad_norm, these act on the whole step (one stats
         # pass over every group), so they are attributes, not param-group keys: torch's state_dict
         # carries only groups and state, and a checkpoint stays loadable into torch.optim.AdamW
         self.max_grad_norm = max_grad_norm
@@ -231,7 +231,7 @@ class FusedAmpAdamW(Optimizer):
         self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan())
         return self._plan
 
-    # [note: torch.compile] fused kernels behind lazy flat state and pointer tables, which dynamo cannot
+    # fused kernels behind lazy flat state and pointer tables, which dynamo cannot
     # trace: a compiled step graph-breaks here and runs eagerly, with identical results. torch's lazy
     # torch.compiler.disable (as Optimizer.zero_grad): importing ampfused must not import torch._dynamo.
     @torch._disable_dynamo

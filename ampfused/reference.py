@@ -1,7 +1,7 @@
 """Pure-PyTorch passes: the executable form of DESIGN §2, the oracle every other backend is
 tested against, and the fallback on any device.
 
-[note: no host sync] Nothing here reads a device value on the host. A skipped step is expressed
+Nothing here reads a device value on the host. A skipped step is expressed
 with ``torch.where(skip, old, new)`` so that the same code is correct, and sync-free, on a GPU;
 the price is temporaries, which is fine for an oracle and a fallback.
 """

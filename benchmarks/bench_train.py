@@ -60,7 +60,7 @@ PRESETS = {
     # micro_batch sequences of `context` bytes, `accum` micro-batches per step
     "tiny": dict(model=GPTConfig(n_layer=1, n_head=2, d_model=32, context=32), micro_batch=4, accum=2, steps=40,
                  corpus=300_000, eval_batches=8, lr=3e-3),
-    # [note: 400 CPU steps] at 120 steps the loss still falls fast and bf16 params sit ~3% off the
+    # at 120 steps the loss still falls fast and bf16 params sit ~3% off the
     # fp32 curve (stock and ampfused alike); by 400 steps they converge. Runs that differ by rounding
     # alone still end up to ~1% apart there, so the held-out set is 128 batches (32 KB): a smaller one
     # added its own noise to the 1% gate.

@@ -5,7 +5,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_check.sh            # default OUT: ./gpu-results
 #   bash benchmarks/gpu_check.sh --dry-run                # print the stages and their budgets, run nothing
 #
-# [note: results that cannot be lost] The device hands back at most 8 files, so $OUT holds exactly
+# The device hands back at most 8 files, so $OUT holds exactly
 # two: summary.txt (one line per stage: exit code, seconds) and results.tar.gz (every log, CSV,
 # markdown and plot). Both are rewritten (atomically: write, then mv) after EVERY stage, so a stage
 # that hangs, or a lease that ends, keeps what the earlier stages produced.

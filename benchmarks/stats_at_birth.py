@@ -4,8 +4,8 @@
 
 The CPU accumulation of bf16 gradients into fp32 storage (the first micro-batch's copy in the adopt
 hook, later ones in the C++ pre-hook) can leave each param's partial sums of squares and non-finite
-flag, so that the step's stats pass skips the gradients nobody edited since (``ampfused/_main_grad.py``
-[note: stats at birth]). That moves arithmetic into every micro-batch's accumulation to save one
+flag, so that the step's stats pass skips the gradients nobody edited since (``ampfused/_main_grad.py``).
+That moves arithmetic into every micro-batch's accumulation to save one
 read of the fp32 gradients per step. This measures the trade on the bench's bf16 rows (GPT-2-like
 shapes, x1 and x4 micro-batches, with and without clipping), at 1 and 2 threads:
 

@@ -40,7 +40,7 @@ STEP_PROVIDERS = {  # name: (baseline it is compared with, modeled bytes per ele
     "ampfused-guard": ("torch-fused", 32),
     "torch-fused+clip": ("", 40),
     "ampfused+clip": ("torch-fused+clip", 32),
-    # [note: scaled clip] the GradScaler recipe: torch unscales in place (8) before clip_grad_norm_ (12)
+    # the GradScaler recipe: torch unscales in place (8) before clip_grad_norm_ (12)
     # and the fused step (28); ampfused reads g once for the stats (4) and writes it back unscaled
     # (DESIGN §2.7: 4) in the update, or not with keep_scaled_grads
     "torch-fused+scaler+clip": ("", 48),
@@ -129,7 +129,7 @@ def step_rows(numel: int, tensors: int, rounds: int, env: dict, clock=time.perf_
 def _check_same(reference: StepProvider, other: StepProvider) -> None:
     """The same steps on the same gradients: params and moments agree with stock torch's.
 
-    [note: torch's clip norm] With clipping the two sides scale the gradient by different
+    With clipping the two sides scale the gradient by different
     coefficients: ``clip_grad_norm_``'s float ``_foreach_norm`` is off by up to ~5e-4 (relative) at
     12.5M elements a tensor (torch 2.13, CPU), ampfused sums in double blocks. Moments scale with the
     coefficient (rtol 1e-3); the params move by lr * m/(sqrt(v) + eps), where only eps keeps the

@@ -1,6 +1,6 @@
 // Micro-batches 2..N of an fp16/bf16 param on the CPU: our accumulate kernel instead of autograd's add.
 //
-// [note: why a pre-hook] With p.grad = main_grad (fp32, ampfused/_main_grad.py), autograd's
+// With p.grad = main_grad (fp32, ampfused/_main_grad.py), autograd's
 // AccumulateGrad does `p.grad += g` with a bf16/fp16 g. On a GPU that add is one kernel at the
 // 10 B/param floor; on a CPU, torch's mixed-dtype add is several times slower than ampfused's
 // fused cast-and-add. This pre-hook on the param's AccumulateGrad node does that add with the `ampfused::accumulate` op and hands autograd

@@ -47,9 +47,9 @@ TESTING_SOURCES = [
     "testing/division_avx2.cpp",
     "testing/division_avx512.cpp",
 ]
-# [note: no -std] torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
+# torch.utils.cpp_extension adds the standard its headers need (C++17 or C++20).
 # -ffp-contract=off: no multiply-add fused that torch does not fuse (csrc/adamw_math.h).
-# [note: no trapping math] -fno-trapping-math (clang's default) lets GCC compute a float operation
+# -fno-trapping-math (clang's default) lets GCC compute a float operation
 # that only one side of a select uses, as vector code does: without it GCC keeps such operations
 # (the int8 codecs' grid rounding) under a branch, and the AVX2 build of the int8 loops stayed
 # scalar (7.3 -> 1.7 ns/element). Values are unchanged: no exception flag is read anywhere, and
@@ -147,7 +147,7 @@ def cuda_plan(torch) -> tuple[str | None, str]:
 def openmp_flags(torch) -> tuple[list[str], list[str]]:
     """(compile flags, link flags) that give ``at::parallel_for`` inside _C torch's own threads.
 
-    [note: OpenMP of torch] ATen's OpenMP backend inlines ``#pragma omp parallel`` into the
+    ATen's OpenMP backend inlines ``#pragma omp parallel`` into the
     caller, so an extension compiled without ``-fopenmp`` runs every parallel_for on one thread.
     We compile with it and link the libgomp torch ships (same soname, already loaded by
     libtorch_cpu), never a second runtime; without a bundled one, the compiler's, which is what
@@ -178,7 +178,7 @@ def extension_kwargs() -> dict:
         return {}
     cuda_home, why_not = cuda_plan(torch)
     if cuda_home is not None:
-        # [note: CUDA_HOME before cpp_extension] torch.utils.cpp_extension reads CUDA_HOME at import
+        # torch.utils.cpp_extension reads CUDA_HOME at import
         # and derives it from `which nvcc` without resolving wrapper scripts.
         os.environ["CUDA_HOME"] = cuda_home
     from torch.utils import cpp_extension

@@ -16,7 +16,7 @@
 //                           for f = 0, k = (f << M) | t; exp_avg: M = 3 and a sign (int8 +-k, k <= 120),
 //                           exp_avg_sq: M = 4 (uint8 k <= 240); non-finite y gives code 0.
 //
-// [note: exactness] Every step is an integer operation or one correctly rounded fp32 operation
+// Every step is an integer operation or one correctly rounded fp32 operation
 // (division, sqrt, product), and scalings by powers of two are split in two exact factors, so
 // compilers and devices agree bit for bit. The only products that feed an addition (join8's
 // p + q * 2^k) are exact, so contracting them into an fma changes nothing either.

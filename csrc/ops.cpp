@@ -1,6 +1,6 @@
 // Op schemas of ampfused._C and the Python module that loads them.
 //
-// [note: ops, not pybind] The kernels are reached through torch.ops.ampfused.* (the dispatcher), so
+// The kernels are reached through torch.ops.ampfused.* (the dispatcher), so
 // they work under torch.compile and with torch.library.opcheck; the Python module itself is empty
 // and exists only so that `import ampfused._C` loads this library and runs its registrations. It
 // uses no pybind11 and no torch/extension.h.

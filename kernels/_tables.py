@@ -1,6 +1,6 @@
 """Device-side tables that let one launch reach every tensor of a step.
 
-[note: pointer tables] A pass gets small int64 device tables instead of one argument per tensor:
+A pass gets small int64 device tables instead of one argument per tensor:
 
 * a *chunk layout*, one row per CHUNK-sized piece of every tensor: ``(tensor index, first
   element)``. It depends only on the element counts, so it is built once per set of sizes
@@ -133,7 +133,7 @@ class ScratchRows:
     def __init__(self, rows: Rows, host: Tensor, grads: list, addr_column: int, aligned_column: int, other_aligned: Tensor,
                  device: torch.device, memo: dict):
         # numpy on the host side: its small ops cost ~1 us where torch's cost ~10 (Triton requires numpy)
-        # [note: no grads kept] only their addresses: holding the grads between steps would keep a
+        # only their addresses: holding the grads between steps would keep a
         # whole set of gradients alive after zero_grad(set_to_none=True)
         self.rows, self.host, self.memo = rows, host.numpy(), memo
         self.addr_column, self.aligned_column, self.other_aligned = addr_column, aligned_column, other_aligned.numpy()

@@ -284,7 +284,7 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
 def _split_f64(x: float) -> tuple[float, float, float]:
     """Three fp32 values whose fp64 sum is exactly ``x`` (72 bits of mantissa hold its 53).
 
-    [note: float lr by value] Triton passes Python floats as fp32 kernel arguments; an lr that a
+    Triton passes Python floats as fp32 kernel arguments; an lr that a
     scheduler changes every step travels this way, so no table is uploaded for it.
     """
     hi = _f32(x)
@@ -432,7 +432,7 @@ def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
         if lr.device.type == "cpu" and device.type != "cpu":
             value = float(lr)  # a host read of host memory: no device sync
         else:
-            # [note: lr of any float dtype] read in its own dtype by the kernel: no cast temporary,
+            # read in its own dtype by the kernel: no cast temporary,
             # which a captured CUDA graph would replay into after the table cache dropped it
             if lr.device != device or lr.dtype not in LR_KIND_OF:
                 lr = lr.to(device=device, dtype=torch.float32)  # rare: keep the copy alive with the table

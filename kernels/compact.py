@@ -5,10 +5,10 @@ function here works element-wise on a block and is tested bitwise against the sp
 (``tests/compact/test_compact_native.py``). Bit patterns travel as uint32 (16-bit values in the low half),
 codes as int32; callers load and store them in their storage dtypes.
 
-[note: integer rounding] Rounding to an integer is ``(a + 1.5 * 2^23) - 1.5 * 2^23``, which is
+Rounding to an integer is ``(a + 1.5 * 2^23) - 1.5 * 2^23``, which is
 round-to-nearest-even for ``|a| < 2^22`` in any IEEE fp32 adder, the interpreter's included; every
 use here has ``|a| <= 2^8``. bf16 rounding is done on the bits (see ``_memory.py``), fp16 rounding
-by the cast, which is RNE on the GPU and in the interpreter alike. [note: fp fusion] Every product
+by the cast, which is RNE on the GPU and in the interpreter alike. Every product
 that feeds an addition here (``join8``'s ``p + q 2^k``, the scalings before ``_rint``) is exact,
 so the fma the compiler contracts it into gives the same bits: callers may keep fp fusion on.
 """

@@ -3,7 +3,7 @@
 // widen/narrow it uses), into the same namespace; ops_cpu.cpp sends a range here when contract.h's
 // is_compact says so, in the same parallel loop as the fp32 ranges.
 //
-// [note: compact by blocks] A range is walked in blocks of kConvert elements through float buffers
+// A range is walked in blocks of kConvert elements through float buffers
 // in L1, one phase per job: decode the weights (join16 / join8, or the param; an fp32 master is
 // stepped in place), the AdamW math with the moments read and written in their encoding (int8
 // codes 256 elements at a time: [note: int8 by blocks]), then encode the weights (split16 /
@@ -29,7 +29,7 @@ using compact::random_word;
 // The master encodings with a fixed element type (kMasterF32 without a master is kNone).
 constexpr int kNone = -1;
 
-// [note: one setup] What every element loop reads from its range, gathered once: the step's
+// What every element loop reads from its range, gathered once: the step's
 // scalars, the gradient factor, the moment buffers (cast by the caller's moment kind) and the
 // stochastic-rounding keys of elements at + j (compact_random.h).
 struct Setup {

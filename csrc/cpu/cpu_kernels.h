@@ -2,7 +2,7 @@
 // the hot loops (kernels_impl.h, compiled once per ISA: kernels_base.cpp, and kernels_isa.h through
 // kernels_avx2.cpp / kernels_avx512.cpp, and their *_div twins that divide on the divider).
 //
-// [note: per-ISA builds] The hot loops are plain C++ loops that the compiler auto-vectorizes
+// The hot loops are plain C++ loops that the compiler auto-vectorizes
 // (-O3 -fno-math-errno, `#pragma GCC target` per file). The library itself is built for baseline
 // x86-64 and picks the widest variant the CPU supports at run time, so it never dies with an
 // illegal instruction on an older machine. ATEN_CPU_CAPABILITY (default|avx2|avx512) caps the

@@ -6,7 +6,7 @@
 //   AMPFUSED_GCC_TARGET / AMPFUSED_CLANG_TARGET   the target attribute strings
 // The variant is chosen at run time only where the CPU has the ISA (ops_cpu.cpp).
 //
-// [note: system headers first] Everything included before the target pragma keeps the baseline
+// Everything included before the target pragma keeps the baseline
 // target, so no inline function of the standard library is emitted with AVX code here and then
 // picked by the linker for a baseline caller.
 #include <cmath>

@@ -2,7 +2,7 @@
 bit for bit, each lossy mode is the reference backend's run of the same mode, and the functional API
 steps compact state as the optimizer does.
 
-[note: oracle] A backend that lists a mode in its ``COMPACT_MODES`` runs it natively and is held
+A backend that lists a mode in its ``COMPACT_MODES`` runs it natively and is held
 to its own fp32 run (split16) or within a stated tolerance of the reference (lossy modes); any
 other backend hands those tensors to the reference passes inside its step (the fallback), so its
 compact tensors must equal the reference backend's bit for bit.

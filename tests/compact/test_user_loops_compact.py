@@ -2,7 +2,7 @@
 oracle: autocast + the user's own clip_grad_norm_ + accumulation x4 + an LR scheduler, checkpoints
 mid-run, param groups that change, state inspection, and the bad combinations.
 
-[note: per-step oracle] A lossy mode's run walks away from the fp32 run (that is what lossy means),
+A lossy mode's run walks away from the fp32 run (that is what lossy means),
 so it is held to torch one step at a time: before each step its state is decoded
 (``to_torch_state_dict``) into a torch.optim.AdamW over fp32 masters, which takes the same gradients;
 after the step ampfused's state must be that torch step followed by the mode's encoding (``_compact``):

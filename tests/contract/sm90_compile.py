@@ -51,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's ampfused, not an installed one: one source tree for both compilers
-# [note: budgets] registers per thread / static shared memory per block (bytes). The update kernel
+# registers per thread / static shared memory per block (bytes). The update kernel
 # runs under maxnreg=72, every variant; the stats kernel holds 2-4 loads in flight a thread (see _runtime.py).
 BUDGET = {"_grad_stats_kernel": (96, 16384), "_adamw_update_kernel": (72, 16384), "_scaler_update_kernel": (64, 1024),
           "_accumulate_kernel": (64, 16384), "stats_kernel": (64, 4096), "update_kernel": (64, 4096),

@@ -154,7 +154,7 @@ update_w = compile_kernel(adamw._adamw_update_kernel, update_sig,
                           num_warps=_runtime.NUM_WARPS, enable_fp_fusion=False, maxnreg=_runtime.UPDATE_MAXNREG)
 regs_w, spills_w = registers(update_w)
 print("update (writes grads) registers", regs_w, "spills", spills_w)
-# [note: grad-writing spills] measured 32 spill bytes at maxnreg 64 (12 without the write); storing
+# measured 32 spill bytes at maxnreg 64 (12 without the write); storing
 # the unscaled grad at the end of the block instead spills 48. Bounded here; its cost on a GPU is unmeasured.
 assert regs_w <= _runtime.UPDATE_MAXNREG and spills_w <= 32, f"update kernel writing grads: {regs_w} registers, {spills_w} spill bytes"
 for flags in ((True, True, True, True), (False, False, False, True), (False, False, True, False)):

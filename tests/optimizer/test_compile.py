@@ -2,7 +2,7 @@
 (fp32, and bf16 params whose gradients reach p.main_grad through the accumulation hook), and a
 compiled opt.step() runs (dynamo graph-breaks around the backend call) with the eager result.
 
-[note: compile backend] Inductor on a 2-core CPU spends ~50 s compiling C++ for even a tiny model,
+Inductor on a 2-core CPU spends ~50 s compiling C++ for even a tiny model,
 so these default tests use the "aot_eager" backend (dynamo + AOTAutograd, the parts that interact with
 hooks and the optimizer); tests/integration/test_compile_inductor.py runs the same with inductor."""
 import pytest

@@ -66,7 +66,7 @@ def assert_bitwise_same_run(a, b):
 
 
 def test_sigkill_in_save_and_mid_run_then_resume_is_bitwise_identical(tmp_path):
-    """[note: one backend] Each subprocess pays ~7 s of imports (torch, then torch._dynamo on the first
+    """Each subprocess pays ~7 s of imports (torch, then torch._dynamo on the first
     optimizer), so this runs on the default backend only and trains the fp32 and the bf16 model in
     the same processes; the per-backend state-dict round trip is in test_skip_and_state_dict.py."""
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
