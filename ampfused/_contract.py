@@ -2,10 +2,11 @@
 
 A leaf module (torch, typing and the standard library only): everything in ``ampfused`` may import
 it, it imports nothing of ``ampfused``. It is the one definition of every fact the backends share:
-``csrc/contract_generated.h`` (C++ and CUDA) and ``kernels/_contract_generated.py``
-(Triton, which imports nothing of the package) are generated from the section below by
-``python csrc/generate_contract.py`` and committed; tests/contract/test_contract_generated.py fails
-when they are stale or when another source file spells one of these facts itself.
+``csrc/contract_generated.h`` (C++ and CUDA), ``csrc/contract_aten_generated.h`` (the dtype tables
+over ATen's ScalarType) and ``kernels/_contract_generated.py`` (Triton, which imports nothing of the
+package) are generated from the section below by ``python csrc/generate_contract.py`` and committed;
+tests/contract/test_contract_generated.py fails when they are stale or when another source file
+spells one of these facts itself.
 
 A step is two passes that talk through one small fp32 device vector, ``stats`` (``STATS_SIZE``
 slots): the stats pass writes it, ending with :func:`finish_`; the update pass reads it.
@@ -116,9 +117,9 @@ SHARED = {
 # [note: one encoding decision] What a tensor's state is (DESIGN §9) is told by the dtypes of its
 # buffers, and decided by these tables and the functions below only: state creation
 # (``_state.state_keys``, ``_compact.encode_state``), state dicts, the reference passes, the
-# dispatcher (``functional.fallback_indices``) and the Triton rows (the tables are generated into
-# kernels/_contract_generated.py). The C++ op maps the same dtypes to the same codes in
-# csrc/ops_common.cpp (master_kind_of, moment_kind_of), where the ATen types live.
+# dispatcher (``functional.fallback_indices``), the Triton rows and the C++ op's checks (the tables
+# are generated into kernels/_contract_generated.py, and over ATen's ScalarType into
+# csrc/contract_aten_generated.h).
 MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key)
     "fp32": (torch.float32, MASTER_F32, "master_param"),
     "split16": (torch.int16, MASTER_SPLIT16, "master_low16"),
@@ -128,6 +129,10 @@ MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg
     "fp32": ((torch.float32, torch.float32), MOMENT_F32),
     "bf16": ((torch.bfloat16, torch.bfloat16), MOMENT_BF16),
     "int8": ((torch.int8, torch.uint8), MOMENT_INT8),
+}
+MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode not listed: any param with a master)
+    "split16": (torch.bfloat16,),
+    "split8": (torch.bfloat16, torch.float16),
 }
 MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _) in MASTER_ENCODINGS.items()}
 MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
@@ -177,6 +182,9 @@ def encoding_for(param: Tensor, master_weights: str, state_dtype) -> tuple[str, 
 # The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
 DTYPE_CODE = {torch.float32: DTYPE_F32, torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}
 KERNEL_DTYPES = tuple(DTYPE_CODE)
+# The LR_ kind of a one-element tensor lr by its dtype: the dtypes a kernel reads an lr in (an lr
+# tensor of another dtype is copied to float32 first).
+LR_KIND_OF_DTYPE = {torch.float32: LR_F32, torch.float16: LR_F16, torch.bfloat16: LR_BF16, torch.float64: LR_F64}
 
 
 class Field(NamedTuple):
