@@ -272,6 +272,25 @@ class Hyper(NamedTuple):
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
 
 
+def lr_kind(lr: float | Tensor, device: torch.device) -> int:
+    """[note: lr kinds] How the kernels of a step on ``device`` read a group row's lr (``Hyper.lr``).
+
+    ``LR_VALUE``: a number, or a one-element tensor in host memory while the step runs off the CPU
+    (read on the host: no device sync). Otherwise a tensor read when the kernel runs, so in-place
+    scheduler updates and CUDA-graph replays see its current value with no sync: the
+    ``LR_KIND_OF_DTYPE`` kind of its dtype, or ``LR_F32`` for one on another device or of a dtype the
+    kernels do not read: the backend reads a float32 copy it makes on ``device`` (on the stream, no
+    sync) and keeps alive as long as its launch (a captured CUDA graph replays into it).
+    """
+    if not isinstance(lr, Tensor):
+        return LR_VALUE
+    if lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    if lr.device.type == "cpu" and device.type != "cpu":
+        return LR_VALUE
+    return LR_KIND_OF_DTYPE.get(lr.dtype, LR_F32) if lr.device == device else LR_F32
+
+
 class Batch:
     """[note: batch] One update's tensors and group rows, in the spec's order: what every backend's
     passes take (``Backend.grad_stats_`` reads ``grads`` only).
@@ -285,10 +304,12 @@ class Batch:
     ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
     ``index``: each tensor's position in the step's full lists (``None``: ``0..n-1``), what keys its
     stochastic-rounding bits ([note: rounding bits]), so a share of a split step draws the same bits.
+    ``lr_kinds[j]``: how the kernels read ``groups[j].lr`` (:func:`lr_kind`), set with ``groups``:
+    the one place a tensor lr is classified, which every kernel backend reads.
     """
 
     __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
-                 "groups", "moment_scales", "index", "parts")
+                 "_groups", "lr_kinds", "moment_scales", "index", "parts")
 
     def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                  exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
@@ -298,6 +319,15 @@ class Batch:
         self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
         self.group_ids, self.groups, self.moment_scales, self.index = group_ids, groups, moment_scales, index
         self.parts: dict = {}
+
+    @property
+    def groups(self) -> Sequence[Hyper]:
+        return self._groups
+
+    @groups.setter
+    def groups(self, groups: Sequence[Hyper]) -> None:
+        device = self.params[0].device if len(self.params) else torch.device("cpu")
+        self._groups, self.lr_kinds = groups, [lr_kind(h.lr, device) for h in groups]  # per group, never per tensor
 
     def drop_grads(self) -> None:
         """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds

@@ -314,7 +314,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     if not params:
         return
     device = params[0].device
-    group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, device)
+    group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, batch.lr_kinds, device)
     lists = (params, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters,
              batch.moment_scales, batch.index)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
@@ -400,7 +400,7 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     return layout, rows, laid_out, variant
 
 
-def _group_rows(group_ids, groups, device):
+def _group_rows(group_ids, groups, lr_kinds, device):
     """(group index of every tensor, the distinct group keys, the float lrs of the argument slots,
     tensors those keys point into).
 
@@ -416,28 +416,26 @@ def _group_rows(group_ids, groups, device):
     index_of_key: dict[tuple, int] = {}
     slot_of_lr: dict[float, int] = {}
     keep_alive: list[Tensor] = []
-    key_index = [index_of_key.setdefault(_group_key(h, device, keep_alive, slot_of_lr), len(index_of_key)) for h in groups]
+    key_index = [index_of_key.setdefault(_group_key(h, kind, device, keep_alive, slot_of_lr), len(index_of_key))
+                 for h, kind in zip(groups, lr_kinds)]
     group_of = tuple(group_ids) if len(index_of_key) == len(groups) else tuple(map(key_index.__getitem__, group_ids))
     return group_of, tuple(index_of_key), list(slot_of_lr), keep_alive
 
 
-def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
+def _group_key(h, kind, device, keep_alive, slot_of_lr) -> tuple:
+    """The group row of ``h``, its lr read as ``kind`` (the batch's ``lr_kinds``: [note: lr kinds] in ampfused/_contract.py)."""
     lr = h.lr
-    kind, value, addr = int(LR_VALUE), lr, 0
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu" and device.type != "cpu":
-            value = float(lr)  # a host read of host memory: no device sync
-        else:
-            # read in its own dtype by the kernel: no cast temporary,
-            # which a captured CUDA graph would replay into after the table cache dropped it
-            if lr.device != device or lr.dtype not in LR_KIND_OF_DTYPE:
-                lr = lr.to(device=device, dtype=torch.float32)  # rare: keep the copy alive with the table
-                keep_alive.append(lr)
-            kind, value, addr = LR_KIND_OF_DTYPE[lr.dtype], 0.0, lr.data_ptr()
-    if kind == int(LR_VALUE):
-        value = float(value)
+    value, addr = lr, 0
+    if kind != int(LR_VALUE):
+        # read in its own dtype by the kernel: no cast temporary, which a captured CUDA graph would
+        # replay into after the table cache dropped it; the rare float32 copy of a tensor on another
+        # device or of another dtype lives as long as the table
+        if lr.device != device or lr.dtype not in LR_KIND_OF_DTYPE:
+            lr = lr.to(device=device, dtype=torch.float32)
+            keep_alive.append(lr)
+        value, addr = 0.0, lr.data_ptr()
+    else:
+        value = float(value)  # a number, or a tensor in host memory: no device sync
         slot = slot_of_lr.get(value)
         if slot is None and len(slot_of_lr) < LR_SLOTS:
             slot = slot_of_lr[value] = len(slot_of_lr)
