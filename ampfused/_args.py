@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
-from ._contract import INT8_BLOCK, KERNEL_DTYPES, is_dense
+from ._contract import INT8_BLOCK, KERNEL_DTYPES, MASTER_MODE_OF_DTYPE, MASTER_PARAM_DTYPES, is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -240,11 +240,13 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
         raise ValueError(f"moment_scales has {len(moment_scales)} entries for {len(params)} tensors")
     for i, p in enumerate(params):
         master, m, v, vmax = masters[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i]
-        if master is not None and master.dtype == torch.int16 and p.dtype != torch.bfloat16:
-            raise ValueError(f"master_params[{i}] is int16 (split16 low bits) but its param is {p.dtype}: split16 needs bf16 params")
-        if master is not None and master.dtype == torch.int8 and p.dtype not in LOW_PRECISION:
-            raise ValueError(f"master_params[{i}] is int8 (split8 residual) but its param is {p.dtype}: split8 needs fp16/bf16 params")
-        if master is not None and master.dtype not in (torch.float32, torch.int16, torch.int8):
+        mode = None if master is None else MASTER_MODE_OF_DTYPE.get(master.dtype)
+        if mode in MASTER_PARAM_DTYPES and p.dtype not in MASTER_PARAM_DTYPES[mode]:
+            short = "/".join(str(d).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
+                             for d in MASTER_PARAM_DTYPES[mode])  # bf16, fp16
+            raise ValueError(f"master_params[{i}] is {master.dtype} (a {mode} master) but its param is {p.dtype}: {mode} "
+                             f"needs {short} params")
+        if master is not None and mode is None:
             raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected float32, int16 (split16) or int8 (split8)")
         scales = moment_scales[i] if moment_scales is not None else None
         if m.dtype == torch.int8:

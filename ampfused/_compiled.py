@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._contract import is_dense, same_flat_layout
+from ._contract import LR_VALUE, is_dense, same_flat_layout
 
 OPS = ("accumulate", "grad_stats", "adamw_update", "scaler_update")
 BUILD_HINT = "run `pip install --no-build-isolation .` in an environment with torch to build it"
@@ -199,8 +199,13 @@ class CompiledBackend:
         # The op takes the batch as parallel per-field lists: a TORCH_LIBRARY schema types its arguments
         # as Tensor[] / float[] / int[] / Tensor?[], not records, so the group rows become one list per
         # field here (per group, never per tensor) and csrc/ops.cpp packs them into UpdateGroup records.
-        lrs = [0.0 if isinstance(h.lr, Tensor) else h.lr for h in groups]
-        lr_tensors = [h.lr.detach() if isinstance(h.lr, Tensor) else None for h in groups]  # read on the device
+        # [note: lr kinds] in _contract.py: an LR_VALUE lr goes as a float (a tensor in host memory is read
+        # here, no sync), any other tensor lr as it is, read on its device. The op gets no kind list: its
+        # schema takes the Tensor, whose dtype is its kind (csrc/contract_aten_generated.h lr_kind_of), and
+        # the op, callable directly, checks its tensor itself; it also makes, and keeps alive for CUDA
+        # graphs, the float32 copy an lr on another device or of another dtype needs.
+        lrs = [float(h.lr) if kind == LR_VALUE else 0.0 for h, kind in zip(groups, batch.lr_kinds)]
+        lr_tensors = [None if kind == LR_VALUE else h.lr.detach() for h, kind in zip(groups, batch.lr_kinds)]
         # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
         none = self._empty(params[0].device) if params else None
         kernel_grads = [_as_kernel_input(g, p) for g, p in zip(grads, params)]

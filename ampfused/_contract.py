@@ -2,10 +2,11 @@
 
 A leaf module (torch, typing and the standard library only): everything in ``ampfused`` may import
 it, it imports nothing of ``ampfused``. It is the one definition of every fact the backends share:
-``csrc/contract_generated.h`` (C++ and CUDA) and ``kernels/_contract_generated.py``
-(Triton, which imports nothing of the package) are generated from the section below by
-``python csrc/generate_contract.py`` and committed; tests/contract/test_contract_generated.py fails
-when they are stale or when another source file spells one of these facts itself.
+``csrc/contract_generated.h`` (C++ and CUDA), ``csrc/contract_aten_generated.h`` (the dtype tables
+over ATen's ScalarType) and ``kernels/_contract_generated.py`` (Triton, which imports nothing of the
+package) are generated from the section below by ``python csrc/generate_contract.py`` and committed;
+tests/contract/test_contract_generated.py fails when they are stale or when another source file
+spells one of these facts itself.
 
 A step is two passes that talk through one small fp32 device vector, ``stats`` (``STATS_SIZE``
 slots): the stats pass writes it, ending with :func:`finish_`; the update pass reads it.
@@ -116,9 +117,9 @@ SHARED = {
 # [note: one encoding decision] What a tensor's state is (DESIGN §9) is told by the dtypes of its
 # buffers, and decided by these tables and the functions below only: state creation
 # (``_state.state_keys``, ``_compact.encode_state``), state dicts, the reference passes, the
-# dispatcher (``functional.fallback_indices``) and the Triton rows (the tables are generated into
-# kernels/_contract_generated.py). The C++ op maps the same dtypes to the same codes in
-# csrc/ops_common.cpp (master_kind_of, moment_kind_of), where the ATen types live.
+# dispatcher (``functional.fallback_indices``), the Triton rows and the C++ op's checks (the tables
+# are generated into kernels/_contract_generated.py, and over ATen's ScalarType into
+# csrc/contract_aten_generated.h).
 MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key)
     "fp32": (torch.float32, MASTER_F32, "master_param"),
     "split16": (torch.int16, MASTER_SPLIT16, "master_low16"),
@@ -128,6 +129,10 @@ MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg
     "fp32": ((torch.float32, torch.float32), MOMENT_F32),
     "bf16": ((torch.bfloat16, torch.bfloat16), MOMENT_BF16),
     "int8": ((torch.int8, torch.uint8), MOMENT_INT8),
+}
+MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode not listed: any param with a master)
+    "split16": (torch.bfloat16,),
+    "split8": (torch.bfloat16, torch.float16),
 }
 MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _) in MASTER_ENCODINGS.items()}
 MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
@@ -177,6 +182,9 @@ def encoding_for(param: Tensor, master_weights: str, state_dtype) -> tuple[str, 
 # The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
 DTYPE_CODE = {torch.float32: DTYPE_F32, torch.float16: DTYPE_F16, torch.bfloat16: DTYPE_BF16}
 KERNEL_DTYPES = tuple(DTYPE_CODE)
+# The LR_ kind of a one-element tensor lr by its dtype: the dtypes a kernel reads an lr in (an lr
+# tensor of another dtype is copied to float32 first).
+LR_KIND_OF_DTYPE = {torch.float32: LR_F32, torch.float16: LR_F16, torch.bfloat16: LR_BF16, torch.float64: LR_F64}
 
 
 class Field(NamedTuple):
@@ -264,6 +272,25 @@ class Hyper(NamedTuple):
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
 
 
+def lr_kind(lr: float | Tensor, device: torch.device) -> int:
+    """[note: lr kinds] How the kernels of a step on ``device`` read a group row's lr (``Hyper.lr``).
+
+    ``LR_VALUE``: a number, or a one-element tensor in host memory while the step runs off the CPU
+    (read on the host: no device sync). Otherwise a tensor read when the kernel runs, so in-place
+    scheduler updates and CUDA-graph replays see its current value with no sync: the
+    ``LR_KIND_OF_DTYPE`` kind of its dtype, or ``LR_F32`` for one on another device or of a dtype the
+    kernels do not read: the backend reads a float32 copy it makes on ``device`` (on the stream, no
+    sync) and keeps alive as long as its launch (a captured CUDA graph replays into it).
+    """
+    if not isinstance(lr, Tensor):
+        return LR_VALUE
+    if lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    if lr.device.type == "cpu" and device.type != "cpu":
+        return LR_VALUE
+    return LR_KIND_OF_DTYPE.get(lr.dtype, LR_F32) if lr.device == device else LR_F32
+
+
 class Batch:
     """[note: batch] One update's tensors and group rows, in the spec's order: what every backend's
     passes take (``Backend.grad_stats_`` reads ``grads`` only).
@@ -277,10 +304,12 @@ class Batch:
     ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
     ``index``: each tensor's position in the step's full lists (``None``: ``0..n-1``), what keys its
     stochastic-rounding bits ([note: rounding bits]), so a share of a split step draws the same bits.
+    ``lr_kinds[j]``: how the kernels read ``groups[j].lr`` (:func:`lr_kind`), set with ``groups``:
+    the one place a tensor lr is classified, which every kernel backend reads.
     """
 
     __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
-                 "groups", "moment_scales", "index", "parts")
+                 "_groups", "lr_kinds", "moment_scales", "index", "parts")
 
     def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                  exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
@@ -290,6 +319,15 @@ class Batch:
         self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
         self.group_ids, self.groups, self.moment_scales, self.index = group_ids, groups, moment_scales, index
         self.parts: dict = {}
+
+    @property
+    def groups(self) -> Sequence[Hyper]:
+        return self._groups
+
+    @groups.setter
+    def groups(self, groups: Sequence[Hyper]) -> None:
+        device = self.params[0].device if len(self.params) else torch.device("cpu")
+        self._groups, self.lr_kinds = groups, [lr_kind(h.lr, device) for h in groups]  # per group, never per tensor
 
     def drop_grads(self) -> None:
         """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds

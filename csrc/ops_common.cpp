@@ -7,16 +7,14 @@
 
 #include "adamw_math.h"
 #include "compact_math.h"  // compact::kBlock
+#include "contract_aten_generated.h"  // the contract's codes of ATen dtypes
 
 namespace ampfused {
 
 int32_t dtype_code(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kF32;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: TORCH_CHECK(false, "ampfused: ", what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
+  const int32_t code = dtype_code_of(t.scalar_type());
+  TORCH_CHECK(code >= 0, "ampfused: ", what, " must be ", kKernelDtypeNames, ", got ", t.scalar_type());
+  return code;
 }
 
 namespace {
@@ -45,20 +43,18 @@ void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* w
 // (exp_avg) / uint8 codes (exp_avg_sq, max_exp_avg_sq) of state_dtype="int8".
 int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, bool int8_ok) {
   check_like(t, param, what, i);
-  const bool signed_codes = std::strcmp(what, "exp_avgs") == 0;
-  switch (t.scalar_type()) {
-    case at::kFloat: return kMomentF32;
-    case at::kBFloat16: return kMomentBF16;
-    case at::kChar:
-    case at::kByte:
-      TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
-      TORCH_CHECK(t.scalar_type() == (signed_codes ? at::kChar : at::kByte), "ampfused: ", what, "[", i, "] is ",
-                  t.scalar_type(), ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
-      return kMomentInt8;
-    default:
-      TORCH_CHECK(false, "ampfused: ", what, "[", i, "] must be float32, bfloat16", int8_ok ? " or int8/uint8 codes" : "",
-                  ", got ", t.scalar_type());
+  const bool exp_avg = std::strcmp(what, "exp_avgs") == 0;
+  const int32_t kind = exp_avg ? exp_avg_kind_of(t.scalar_type()) : exp_avg_sq_kind_of(t.scalar_type());
+  // the codes of the other moment: an int8 buffer of the wrong signedness
+  const int32_t other = exp_avg ? exp_avg_sq_kind_of(t.scalar_type()) : exp_avg_kind_of(t.scalar_type());
+  if (kind == kMomentInt8 || other == kMomentInt8) {
+    TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
+    TORCH_CHECK(kind == kMomentInt8, "ampfused: ", what, "[", i, "] is ", t.scalar_type(),
+                ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
   }
+  TORCH_CHECK(kind >= 0, "ampfused: ", what, "[", i, "] must be float32, bfloat16", int8_ok ? " or int8/uint8 codes" : "",
+              ", got ", t.scalar_type());
+  return kind;
 }
 
 // The fp32 block scales of tensor i's int8 codes (entry `slot` of its three in moment_scales).
@@ -77,22 +73,12 @@ float* scales_of(const std::optional<at::TensorList>& moment_scales, size_t i, i
 // A master buffer: float32 (fp32 master), int16 (split16: bf16 params) or int8 (split8: bf16/fp16 params).
 int32_t master_kind_of(const at::Tensor& t, const at::Tensor& param, size_t i) {
   check_like(t, param, "masters", i);
-  switch (t.scalar_type()) {
-    case at::kFloat: return kMasterF32;
-    case at::kShort:
-      TORCH_CHECK(param.scalar_type() == at::kBFloat16, "ampfused: masters[", i,
-                  "] is int16 (split16 low halves), which needs a bfloat16 param, but params[", i, "] is ",
-                  param.scalar_type());
-      return kMasterSplit16;
-    case at::kChar:
-      TORCH_CHECK(param.scalar_type() == at::kBFloat16 || param.scalar_type() == at::kHalf, "ampfused: masters[", i,
-                  "] is int8 (split8 residuals), which needs a bfloat16 or float16 param, but params[", i, "] is ",
-                  param.scalar_type());
-      return kMasterSplit8;
-    default:
-      TORCH_CHECK(false, "ampfused: masters[", i, "] must be float32 (fp32 master), int16 (split16) or int8 (split8), got ",
-                  t.scalar_type());
-  }
+  const int32_t kind = master_kind_of_storage(t.scalar_type());
+  TORCH_CHECK(kind >= 0, "ampfused: masters[", i, "] must be ", kMasterDtypeNames, ", got ", t.scalar_type());
+  TORCH_CHECK(master_completes(kind, param.scalar_type()), "ampfused: masters[", i, "] is ",
+              kind == kMasterSplit16 ? "int16 (split16 low halves)" : "int8 (split8 residuals)", ", which needs a ",
+              master_param_dtypes(kind), " param, but params[", i, "] is ", param.scalar_type());
+  return kind;
 }
 
 int64_t element_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.element_size()); }
@@ -162,6 +148,9 @@ UpdateCall collect_update(
     group.lr_kind = kLrValue;
     group.flags = static_cast<int32_t>(flags[j] & (kFlagAmsgrad | kFlagMaximize));
     std::optional<at::Tensor> lr_t = lr_tensors.get(j);
+    // The Python batch classified each lr once ([note: lr kinds] in _contract.py) and sends the
+    // floats as floats; the schema carries a tensor lr with no kind, so the op classifies it from the
+    // tensor (its device here, its dtype by the generated lr_kind_of), the same rules for a direct caller.
     if (lr_t.has_value()) {
       TORCH_CHECK(lr_t->numel() == 1, "ampfused: a tensor lr must have one element");
       TORCH_CHECK(lr_t->is_floating_point(), "ampfused: a tensor lr must be floating point");

@@ -2,7 +2,8 @@
 
 The pass contract as ``tl.constexpr`` globals for the Triton kernels: the constants under their
 ``ampfused._contract`` names, and the column of each field of a record's int64 row (prefix per
-record, ``<prefix>SIZE`` the row width), and the compact encodings' codes by stored dtype."""
+record, ``<prefix>SIZE`` the row width), and the codes of torch dtypes (element types, tensor lrs,
+compact encodings) with the params each master completes."""
 import torch
 import triton.language as tl
 
@@ -47,9 +48,14 @@ SR_KEY_SALT = tl.constexpr(0x3C6EF372)
 SR_WORD0_SALT = tl.constexpr(0x5BD1E995)
 SR_WORD1_SALT = tl.constexpr(0x1B873593)
 
-# _contract.MASTER_ENCODINGS / MOMENT_ENCODINGS
+# the dtype tables of _contract
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+LR_KIND_OF_DTYPE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 MASTER_KIND_OF_DTYPE = {torch.float32: 0, torch.int16: 1, torch.int8: 2}
 MOMENT_KIND_OF_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.int8, torch.uint8): 2}
+EXP_AVG_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+EXP_AVG_SQ_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+MASTER_PARAM_DTYPES = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
 
 # _contract.UPDATE_TENSOR
 U_PARAM = tl.constexpr(0)

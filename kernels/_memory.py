@@ -1,7 +1,7 @@
 """Typed loads and stores through raw addresses, with fp32 math in registers.
 
 Params and grads are fp32, fp16 or bf16; the dtype is a per-tensor runtime code
-(``_tables.DTYPE_CODE``, ampfused._contract's DTYPE_ codes), uniform within a program, so the branches below
+(``DTYPE_CODE``, ampfused._contract's DTYPE_ codes), uniform within a program, so the branches below
 never diverge. ``mask=None`` means a full block: no predication, so 16-byte vector accesses.
 
 bf16 values are moved as uint16 bits and converted with integer

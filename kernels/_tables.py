@@ -35,10 +35,7 @@ import numpy
 import torch
 from torch import Tensor
 
-from ._contract_generated import (DTYPE_BF16, DTYPE_F16, DTYPE_F32, SCRATCH_BYTES, SCRATCH_PARTIALS,
-                                  SCRATCH_STATS_COUNTER, SCRATCH_UPDATE_COUNTER)
-
-DTYPE_CODE = {torch.float32: int(DTYPE_F32), torch.float16: int(DTYPE_F16), torch.bfloat16: int(DTYPE_BF16)}
+from ._contract_generated import SCRATCH_BYTES, SCRATCH_PARTIALS, SCRATCH_STATS_COUNTER, SCRATCH_UPDATE_COUNTER
 CACHE_SIZE = 8  # live entries per kind: enough for a few optimizers, small enough to forget stale ones
 
 

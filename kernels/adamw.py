@@ -32,19 +32,17 @@ from torch import Tensor
 from . import _runtime, _tables
 from . import _compact_state as CS
 from ._contract_generated import (
-    DTYPE_BF16, DTYPE_F16, DTYPE_F32, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
+    DTYPE_BF16, DTYPE_CODE, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
     G_LR_KIND, G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
-    MASTER_F32, MASTER_KIND_OF_DTYPE, MOMENT_BF16, MOMENT_F32, MOMENT_INT8,
-    MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
+    LR_KIND_OF_DTYPE, MASTER_F32, MASTER_KIND_OF_DTYPE, MASTER_PARAM_DTYPES, EXP_AVG_KIND_OF_DTYPE,
+    EXP_AVG_SQ_KIND_OF_DTYPE, MOMENT_INT8, MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
     U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND,
     U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32
 
 # The row table (one row per tensor: U_ columns), the group table (one row per distinct
 # hyperparameter set: G_ columns, floats as fp64 bit patterns) and the lr kinds are
-# ampfused._contract's UPDATE_TENSOR, UPDATE_GROUP and LR_ codes.
-LR_KIND_OF = {torch.float32: int(LR_F32), torch.float64: int(LR_F64), torch.float16: int(LR_F16),
-              torch.bfloat16: int(LR_BF16)}
+# ampfused._contract's UPDATE_TENSOR, UPDATE_GROUP and LR_ codes (LR_KIND_OF_DTYPE by a tensor lr's dtype).
 LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the group table
 
 
@@ -316,7 +314,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     if not params:
         return
     device = params[0].device
-    group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, device)
+    group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, batch.lr_kinds, device)
     lists = (params, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters,
              batch.moment_scales, batch.index)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
@@ -402,7 +400,7 @@ def _tables_of(lists, grads, group_of, group_keys, device, scratch):
     return layout, rows, laid_out, variant
 
 
-def _group_rows(group_ids, groups, device):
+def _group_rows(group_ids, groups, lr_kinds, device):
     """(group index of every tensor, the distinct group keys, the float lrs of the argument slots,
     tensors those keys point into).
 
@@ -418,28 +416,26 @@ def _group_rows(group_ids, groups, device):
     index_of_key: dict[tuple, int] = {}
     slot_of_lr: dict[float, int] = {}
     keep_alive: list[Tensor] = []
-    key_index = [index_of_key.setdefault(_group_key(h, device, keep_alive, slot_of_lr), len(index_of_key)) for h in groups]
+    key_index = [index_of_key.setdefault(_group_key(h, kind, device, keep_alive, slot_of_lr), len(index_of_key))
+                 for h, kind in zip(groups, lr_kinds)]
     group_of = tuple(group_ids) if len(index_of_key) == len(groups) else tuple(map(key_index.__getitem__, group_ids))
     return group_of, tuple(index_of_key), list(slot_of_lr), keep_alive
 
 
-def _group_key(h, device, keep_alive, slot_of_lr) -> tuple:
+def _group_key(h, kind, device, keep_alive, slot_of_lr) -> tuple:
+    """The group row of ``h``, its lr read as ``kind`` (the batch's ``lr_kinds``: [note: lr kinds] in ampfused/_contract.py)."""
     lr = h.lr
-    kind, value, addr = int(LR_VALUE), lr, 0
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu" and device.type != "cpu":
-            value = float(lr)  # a host read of host memory: no device sync
-        else:
-            # read in its own dtype by the kernel: no cast temporary,
-            # which a captured CUDA graph would replay into after the table cache dropped it
-            if lr.device != device or lr.dtype not in LR_KIND_OF:
-                lr = lr.to(device=device, dtype=torch.float32)  # rare: keep the copy alive with the table
-                keep_alive.append(lr)
-            kind, value, addr = LR_KIND_OF[lr.dtype], 0.0, lr.data_ptr()
-    if kind == int(LR_VALUE):
-        value = float(value)
+    value, addr = lr, 0
+    if kind != int(LR_VALUE):
+        # read in its own dtype by the kernel: no cast temporary, which a captured CUDA graph would
+        # replay into after the table cache dropped it; the rare float32 copy of a tensor on another
+        # device or of another dtype lives as long as the table
+        if lr.device != device or lr.dtype not in LR_KIND_OF_DTYPE:
+            lr = lr.to(device=device, dtype=torch.float32)
+            keep_alive.append(lr)
+        value, addr = 0.0, lr.data_ptr()
+    else:
+        value = float(value)  # a number, or a tensor in host memory: no device sync
         slot = slot_of_lr.get(value)
         if slot is None and len(slot_of_lr) < LR_SLOTS:
             slot = slot_of_lr[value] = len(slot_of_lr)
@@ -476,10 +472,11 @@ def _build_group_table(keys, device, keep_alive):
 
 
 # The compact encodings ([note: one encoding decision] in ampfused/_contract.py): state dtypes -> row
-# codes ((exp_avg, exp_avg_sq / max_exp_avg_sq dtypes) for the moments)
+# codes ((exp_avg, exp_avg_sq / max_exp_avg_sq dtypes) for the moments), and the params a split master completes
 _STATE_KINDS = MOMENT_KIND_OF_DTYPES
 _MASTER_KINDS = MASTER_KIND_OF_DTYPE
-_SPLIT_PARAMS = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
+_SPLIT_PARAMS = MASTER_PARAM_DTYPES
+_FP32 = (torch.float32,)  # the step counts and the int8 block scales
 _SCALE_BLOCK = int(INT8_BLOCK)
 
 
@@ -502,7 +499,7 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
         blocks = -(-p.numel() // _SCALE_BLOCK)
         for j, t in enumerate(scales):
             if t is not None:
-                _tables.check(t, f"moment_scales[{i}][{j}]", device, {torch.float32: int(DTYPE_F32)})
+                _tables.check(t, f"moment_scales[{i}][{j}]", device, _FP32)
                 if t.numel() != blocks:
                     raise ValueError(f"moment_scales[{i}][{j}] has {t.numel()} elements; {p.numel()} elements make "
                                      f"{blocks} blocks of {_SCALE_BLOCK}")
@@ -514,22 +511,19 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
 
 def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
                 group_of, group_keys, device):
-    low = _tables.DTYPE_CODE
-    fp32 = {torch.float32: int(DTYPE_F32)}
-    moment_dtypes = (fp32, {torch.float32: int(MOMENT_F32), torch.bfloat16: int(MOMENT_BF16), torch.int8: int(MOMENT_INT8)},
-                     {torch.float32: int(MOMENT_F32), torch.bfloat16: int(MOMENT_BF16), torch.uint8: int(MOMENT_INT8)})
+    low = DTYPE_CODE
     rows = []
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
         _tables.check(p, f"params[{i}]", device, low)  # (grads come checked: ampfused._args.check_grad)
-        for what, t, dtypes in ((f"exp_avgs[{i}]", m, moment_dtypes[1]), (f"exp_avg_sqs[{i}]", v, moment_dtypes[2]),
-                                (f"max_exp_avg_sqs[{i}]", vmax, moment_dtypes[2]), (f"masters[{i}]", master, _MASTER_KINDS)):
+        for what, t, dtypes in ((f"exp_avgs[{i}]", m, EXP_AVG_KIND_OF_DTYPE), (f"exp_avg_sqs[{i}]", v, EXP_AVG_SQ_KIND_OF_DTYPE),
+                                (f"max_exp_avg_sqs[{i}]", vmax, EXP_AVG_SQ_KIND_OF_DTYPE), (f"masters[{i}]", master, _MASTER_KINDS)):
             if t is not None:
                 _tables.check(t, what, device, dtypes)
                 if t.numel() != p.numel():
                     raise ValueError(f"{what} has {t.numel()} elements for a param of {p.numel()}")
         compact = _compact_columns(i, p, m, v, vmax, master, moment_scales[i], device)
-        _tables.check(step, f"steps[{i}]", device, fp32)
+        _tables.check(step, f"steps[{i}]", device, _FP32)
         if step.numel() != 1:
             raise ValueError(f"steps[{i}] must be 0-d")
         if group_keys[group_of[i]].flags & int(FLAG_AMSGRAD) and vmax is None:

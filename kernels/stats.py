@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _runtime, _tables
-from ._contract_generated import CLIP_EPS, FACTOR, NORM, S_ALIGNED, S_DTYPE, S_GRAD, S_NUMEL, S_SIZE, SKIP, SUMSQ
+from ._contract_generated import CLIP_EPS, DTYPE_CODE, FACTOR, NORM, S_ALIGNED, S_DTYPE, S_GRAD, S_NUMEL, S_SIZE, SKIP, SUMSQ
 from ._memory import load_f32
 
 EXPONENT_BITS = tl.constexpr(0x7F800000)
@@ -155,7 +155,7 @@ def _build_rows(grads, device) -> list:
     rows = []
     for g in grads:
         row = [0] * int(S_SIZE)
-        row[S_GRAD], row[S_NUMEL], row[S_DTYPE] = g.data_ptr(), g.numel(), _tables.DTYPE_CODE[g.dtype]
+        row[S_GRAD], row[S_NUMEL], row[S_DTYPE] = g.data_ptr(), g.numel(), DTYPE_CODE[g.dtype]
         row[S_ALIGNED] = _tables.aligned([g.data_ptr()], g.element_size())
         rows.append(row)
     return rows or [[0] * int(S_SIZE)]

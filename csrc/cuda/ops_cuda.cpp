@@ -30,6 +30,7 @@
 #include <mutex>
 #include <vector>
 
+#include "../contract_aten_generated.h"  // lr_kind_of
 #include "../ops_common.h"
 #include "multi_tensor.h"
 
@@ -232,14 +233,10 @@ void point_at_lr(UpdateGroup& group, const at::Tensor& lr, const at::Device& dev
     group.lr = lr.item<double>();  // not a CPU tensor (collect_update read those) nor a GPU one
     return;
   }
-  const at::ScalarType type = lr.scalar_type();
-  const bool direct = lr.device() == device && (type == at::kFloat || type == at::kDouble ||
-                                                type == at::kHalf || type == at::kBFloat16);
+  const bool direct = lr.device() == device && lr_kind_of(lr.scalar_type()) >= 0;
   at::Tensor lr_t = direct ? lr : lr.to(device, at::kFloat);
   group.lr_ptr = lr_t.data_ptr();
-  group.lr_kind = lr_t.scalar_type() == at::kDouble ? kLrF64
-                  : lr_t.scalar_type() == at::kHalf ? kLrF16
-                  : lr_t.scalar_type() == at::kBFloat16 ? kLrBF16 : kLrF32;
+  group.lr_kind = lr_kind_of(lr_t.scalar_type());
   if (!direct) temporaries.push_back(lr_t);
 }
 

@@ -17,6 +17,28 @@ def test_hyper_flags():
     assert _contract.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False).flags == 0
 
 
+def test_lr_kind_classifies_each_lr_once():
+    c, cpu, gpu = _contract, torch.device("cpu"), torch.device("cuda", 0)  # a device object: nothing runs on it
+    assert c.lr_kind(1e-3, cpu) == c.lr_kind(1e-3, gpu) == c.LR_VALUE
+    assert c.lr_kind(torch.tensor(1e-3), gpu) == c.LR_VALUE  # host memory, a step off the CPU: read on the host
+    for dtype, kind in c.LR_KIND_OF_DTYPE.items():
+        assert c.lr_kind(torch.tensor(1e-3, dtype=dtype), cpu) == kind  # read in its own dtype at kernel time
+    assert c.lr_kind(torch.tensor(1, dtype=torch.int32), cpu) == c.LR_F32  # read through a float32 copy
+    assert c.lr_kind(torch.tensor([1e-3], device="meta"), cpu) == c.LR_F32  # another device: a copy
+    with pytest.raises(ValueError, match="1-element"):
+        c.lr_kind(torch.tensor([1e-3, 1e-3]), cpu)
+
+
+def test_batch_classifies_its_lrs_with_its_groups():
+    p = torch.zeros(3)
+    rows = [_contract.Hyper(lr, 0.9, 0.999, 1e-8, 0.0, False, False)
+            for lr in (1e-3, torch.tensor(1e-3, dtype=torch.float64), torch.tensor(1e-3, dtype=torch.bfloat16))]
+    batch = _contract.Batch([p], [p], [p], [p], [None], [torch.zeros(())], [None], [0], rows)
+    assert batch.lr_kinds == [_contract.LR_VALUE, _contract.LR_F64, _contract.LR_BF16]
+    batch.groups = rows[:1]  # a step patches its group rows: the kinds follow
+    assert batch.lr_kinds == [_contract.LR_VALUE]
+
+
 def layout_table():
     """(name, tensor) pairs covering the layouts a param, grad or state tensor can have."""
     base = torch.randn(4, 6, 5, 3)

@@ -1,9 +1,10 @@
 """One source for the facts the backends share: ``ampfused/_contract.py``.
 
-``csrc/contract_generated.h`` (C++/CUDA) and ``kernels/_contract_generated.py`` (Triton) are
-generated from it by ``csrc/generate_contract.py`` and committed. This regenerates them and fails
-when a committed file is stale, and fails when any other source file defines or spells one of the
-facts itself. Read as text: no build, no triton import.
+``csrc/contract_generated.h`` (C++/CUDA), ``csrc/contract_aten_generated.h`` (its dtype tables over
+ATen's ScalarType) and ``kernels/_contract_generated.py`` (Triton) are generated from it by
+``csrc/generate_contract.py`` and committed. This regenerates them and fails when a committed file
+is stale, and fails when any other source file defines or spells one of the facts itself (a
+hand-written dtype-to-code mapping included). Read as text: no build, no triton import.
 """
 import importlib.util
 import re
@@ -19,7 +20,8 @@ SOURCE_DIRS = ("ampfused", "kernels", "csrc", "benchmarks", "tests")
 SUFFIXES = {".py", ".h", ".cpp", ".cu", ".cuh"}
 # the definition, its generator and outputs, and this test (it spells the patterns)
 EXEMPT = {ROOT / "ampfused" / "_contract.py", GENERATOR, ROOT / "csrc" / "contract_generated.h",
-          ROOT / "kernels" / "_contract_generated.py", Path(__file__).resolve()}
+          ROOT / "csrc" / "contract_aten_generated.h", ROOT / "kernels" / "_contract_generated.py",
+          Path(__file__).resolve()}
 
 
 def generator():
@@ -52,6 +54,16 @@ def test_contract_is_consistent():
         names = [f.name for f in getattr(c, record)]
         assert len(set(names)) == len(names), record
     assert set(c.SHARED) <= set(vars(c)) and len({v[0] for v in c.SHARED.values()}) == len(c.SHARED)
+    assert sorted(c.LR_KIND_OF_DTYPE.values()) == sorted(set(lr_kinds) - {c.LR_VALUE, c.LR_SLOT})
+    assert set(c.DTYPE_CODE) <= set(c.LR_KIND_OF_DTYPE)  # an lr in any kernel dtype is read as it is
+    assert set(c.MASTER_PARAM_DTYPES) <= set(c.MASTER_ENCODINGS)
+    assert all(set(dtypes) <= set(c.DTYPE_CODE) for dtypes in c.MASTER_PARAM_DTYPES.values())
+
+
+def test_every_generated_file_is_checked():
+    rendered = {path.relative_to(ROOT).as_posix() for path in generator().render()}
+    assert rendered == {"csrc/contract_generated.h", "csrc/contract_aten_generated.h", "kernels/_contract_generated.py"}
+    assert {ROOT / name for name in rendered} <= EXEMPT
 
 
 def test_triton_columns_follow_the_record():
@@ -72,7 +84,7 @@ def _cpp_names():
 
 
 def _py_names():
-    names = list(_contract.SHARED)
+    names = list(_contract.SHARED) + list(generator()._triton_tables(_contract))  # constants and dtype tables
     for record, (_, prefix) in _contract.RECORDS.items():
         names += [prefix + f.name.upper() for f in getattr(_contract, record) if f.triton] + [prefix + "SIZE"]
     return names
@@ -92,6 +104,8 @@ def _strip_py_comments(text: str) -> str:
 
 
 CPP_NAMES, CPP_STRUCTS = _cpp_names()
+# the C++ names of the codes a dtype maps to (DTYPE_, LR_, MASTER_, MOMENT_)
+CPP_CODES = [cpp for name, (cpp, _, _) in _contract.SHARED.items() if name.startswith(("DTYPE_", "LR_", "MASTER_", "MOMENT_"))]
 HASH_CONSTANTS = [f"{getattr(_contract, name):X}" for name in _contract.SHARED if name.startswith("SR_")]
 # (what, pattern, which files, read without comments)
 RULES = [
@@ -106,6 +120,10 @@ RULES = [
      re.compile(r"0x0*(?:%s)(?![0-9A-Fa-f])" % "|".join(HASH_CONSTANTS), re.IGNORECASE), "all", False),
     ("spells the scratch size", re.compile(r"\b16\s*\+\s*16\s*\*\s*4096\b"), "all", False),
     ("spells the dtype codes", re.compile(r"\{\s*torch\.float32\s*:\s*0\s*[,}]"), "py", True),
+    ("maps torch dtypes to codes by hand",
+     re.compile(r"torch\.\w+\s*:\s*(?:int\(\s*)?(?:DTYPE|LR|MASTER|MOMENT)_[A-Z0-9]+\b"), "py", True),
+    ("maps an ATen dtype to a code by hand (use contract_aten_generated.h)",
+     re.compile(r"\b(?:at|c10)::(?:k[A-Z]\w*|ScalarType::\w+)\b[^;{}]*?\b(?:%s)\b" % _alternatives(CPP_CODES)), "cpp", True),
     ("compares a dtype code with a number", re.compile(r"\w*dtype\w*\s*==\s*[0-2]\b"), "all", True),
     ("spells a code grid", re.compile(r"\(\s*3\s*,\s*120\s*\)|\(\s*4\s*,\s*240\s*\)|tl\.constexpr\(\s*(?:120|240|256|4096)\s*\)"),
      "all", True),
@@ -145,6 +163,14 @@ def test_rules_catch_what_they_should():
     assert hits("blocks = -(-p.numel() // 256)", "py")
     assert hits("if dtype_code == 1:", "py")
     assert hits("c = max_norm / (norm + 1e-6)", "py")
+    assert hits("LR_KIND_OF = {torch.float32: int(LR_F32), torch.float64: int(LR_F64)}", "py")
+    assert hits("DTYPE_CODE = {torch.float32: 0}", "py")  # a generated table's name, defined again
+    assert hits("switch (t.scalar_type()) {\n    case at::kHalf: return kF16;", "cpp")
+    assert hits("group.lr_kind = t == at::kDouble ? kLrF64 : kLrF32;", "cpp")
+    assert hits("case c10::ScalarType::Short: return kMasterSplit16;", "cpp")
+    assert not hits("TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == kStatsSize, \"stats\");", "cpp")
+    assert not hits("const int32_t kind = exp_avg_kind_of(t.scalar_type());\nif (kind == kMomentInt8) {}", "cpp")
+    assert not hits("kind = EXP_AVG_KIND_OF_DTYPE.get(m.dtype, int(MOMENT_F32))", "py")
     assert not hits("x = SKIP + 1  # slot 256 // 256", "py")
     assert not hits("if lr_kind == LR_F16:\nfirst // INT8_BLOCK", "py")
     assert not hits("// one scale per 256 elements\nstruct UpdateRange : UpdateTensor {", "cpp")
