@@ -7,8 +7,10 @@ step that opens regions for little work stalls ([note: grain] in csrc/cpu/ops_cp
 is like for like on fp32 params, both optimizers at the same thread count: ``plain`` is
 ``FusedAmpAdamW(skip_nonfinite=False)`` without a scaler against ``torch.optim.AdamW(fused=True)``;
 ``clip`` is ``max_grad_norm=1.0`` against ``clip_grad_norm_(params, 1.0)`` + fused (both with
-non-finite gradients flowing through, as torch does). Before a row is timed, both take the same
-steps from the same params and gradients and their params and moments are compared (the gate);
+non-finite gradients flowing through, as torch does); ``accumulate`` is the backward hook's add of
+bf16 micro-batch gradients into fp32 buffers against torch's ``main_grad.add_(grad)``. Before a row is timed, both take the same
+steps from the same params and gradients and their params and moments (or buffers) are compared
+(the gate);
 then their steps are timed interleaved (``measure.interleaved``), so the spinners hit both alike.
 """
 from __future__ import annotations
@@ -32,14 +34,15 @@ SHAPES = {
     "148x27K": (27_027,) * 148,
     "4x3.1M": (3_100_000,) * 4,
 }
-MODES = ("plain", "clip")
+MODES = ("plain", "clip", "accumulate")
 # A tiny step is a fraction of a millisecond while the spinners take the core
 # away for milliseconds at a time: its rows take many short interleaved bursts, so both sides see
 # the same preemptions. The large rows' steps are long (torch's reach seconds where it stalls):
-# few rounds, and a cap per row, so the sweep stays within minutes.
+# fewer rounds, and a cap per row, so the sweep stays within minutes. Their spinners' preemptions
+# spread a row's samples widely: enough rounds that two runs' medians agree.
 BUDGETS = {
     "small": measure.Budget(0.3, 0.6, min_samples=20, rounds=40, cap_s=8.0),
-    "large": measure.Budget(0.1, 0.3, min_samples=5, rounds=5, cap_s=6.0),
+    "large": measure.Budget(0.3, 0.6, min_samples=15, rounds=15, cap_s=10.0),
     "quick": measure.Budget(0.005, 0.02, min_samples=3, rounds=3, cap_s=2.0),
 }
 SMALL = 1 << 20  # elements: a row below this takes the "small" budget
@@ -86,6 +89,28 @@ def _tensors(numels, seed: int):
     return params, grads
 
 
+class _Accumulation:
+    """The backward hook's add of a bf16 micro-batch gradient into an fp32 buffer: the op the C++ hook of
+    csrc/accumulate_hook.cpp calls (``torch.ops.ampfused.accumulate``), or torch's own mixed-dtype
+    ``main_grad.add_(grad)``, the add a Megatron-style hook makes."""
+
+    def __init__(self, kind: str, params, grads):
+        self.main_grads = [torch.zeros_like(p) for p in params]
+        self.grads = [g.to(torch.bfloat16) for g in grads]
+        add = torch.ops.ampfused.accumulate if kind == "ampfused" else torch.Tensor.add_
+
+        def step():
+            for main_grad, grad in zip(self.main_grads, self.grads):
+                add(main_grad, grad)
+        self.step = step
+
+    def restore_grads(self) -> None:
+        pass
+
+    def results(self) -> dict[str, list]:
+        return {"main_grad": self.main_grads}
+
+
 class _Side:
     """One optimizer over its own copy of the row's params, gradients attached."""
 
@@ -127,7 +152,8 @@ def compare(got: dict[str, list], want: dict[str, list]) -> str:
 def run_row(shape: str, mode: str, threads: int, budget: measure.Budget, gate_steps: int = 2, seed: int = 0) -> dict:
     torch.set_num_threads(threads)
     params, grads = _tensors(SHAPES[shape], seed)
-    sides = {kind: _Side(kind, mode, params, grads) for kind in ("torch", "ampfused")}
+    sides = {kind: _Accumulation(kind, params, grads) if mode == "accumulate" else _Side(kind, mode, params, grads)
+             for kind in ("torch", "ampfused")}
     for side in sides.values():
         for _ in range(gate_steps):
             side.restore_grads()
@@ -171,7 +197,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=cli.choice_list(tuple(SHAPES)), default=tuple(SHAPES),
                         help=f"comma list of: {', '.join(SHAPES)} (default: all)")
-    parser.add_argument("--modes", type=cli.choice_list(MODES), default=MODES, help="plain, clip (default: both)")
+    parser.add_argument("--modes", type=cli.choice_list(MODES), default=MODES, help="plain, clip, accumulate (default: all)")
     parser.add_argument("--threads", type=cli.positive_int, action="append", default=None,
                         help="thread count of a row; repeatable (default: 1 and torch's default)")
     parser.add_argument("--spinners", type=int, default=None,

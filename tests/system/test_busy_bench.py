@@ -23,10 +23,10 @@ def test_tiny_busy_sweep_gives_its_rows_and_passes_the_gate(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 spinning process(es)" in proc.stdout
-    assert "correctness gate: PASSED (4 rows" in proc.stdout
+    assert "correctness gate: PASSED (6 rows" in proc.stdout
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 148x16 ")]
-    assert sorted((r[2].strip(), r[3].strip()) for r in rows) == [("clip", "1"), ("clip", "2"), ("plain", "1"),
-                                                                  ("plain", "2")]
+    assert sorted((r[2].strip(), r[3].strip()) for r in rows) == [("accumulate", "1"), ("accumulate", "2"), ("clip", "1"),
+                                                                  ("clip", "2"), ("plain", "1"), ("plain", "2")]
     for r in rows:
         torch_ms, ours_ms, ratio = (float(r[i].split()[0].rstrip("*")) for i in (4, 5, 6))
         assert torch_ms > 0 and ours_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, rel=0.02, abs=0.01)
@@ -38,6 +38,19 @@ def test_spinners_spin_and_end_even_on_error():
             assert len(procs) == 2 and all(p.is_alive() for p in procs)
             raise RuntimeError("inside")
     assert not any(p.is_alive() for p in procs)
+
+
+@needs_cpu_backend
+def test_accumulation_row_gates_the_hook_op_against_torch_add():
+    """The accumulate row's two sides are the hook's op and torch's add_; the gate sees a buffer that differs."""
+    params, grads = busy._tensors((5, 70_000), seed=0)
+    sides = {kind: busy._Accumulation(kind, params, grads) for kind in ("torch", "ampfused")}
+    for side in sides.values():
+        side.step()
+        side.step()
+    assert busy.compare(sides["ampfused"].results(), sides["torch"].results()) == ""
+    sides["ampfused"].main_grads[1][7] += 1.0
+    assert busy.compare(sides["ampfused"].results(), sides["torch"].results()).startswith("main_grad[1] element 7:")
 
 
 def test_gate_names_a_moment_that_differs():
