@@ -17,27 +17,29 @@ from pathlib import Path
 RATIOS = {"speedup_vs_torch_fused": "step speedup", "host_ratio_vs_torch_fused": "host ratio"}
 
 
-def ratios(path: Path) -> dict[tuple[str, str, str], float]:
+def load(path: Path) -> list[dict]:
+    """The rows of one run's ``bench.csv`` (``path``: the ``--out`` folder or the file)."""
+    with open(path / "bench.csv" if path.is_dir() else path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def ratios(rows: list[dict]) -> dict[tuple[str, str, str], float]:
     """(ratio column, case, provider) -> value, for every gated row of one run."""
-    csv_path = path / "bench.csv" if path.is_dir() else path
     out = {}
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["status"] != "ok" or row["provider"] == "torch-fused":
+    for row in rows:
+        if row["status"] != "ok" or row["provider"] == "torch-fused":
+            continue
+        for column in RATIOS:
+            try:
+                out[(column, row["case"], row["provider"])] = float(row[column])
+            except (KeyError, ValueError):
                 continue
-            for column in RATIOS:
-                try:
-                    out[(column, row["case"], row["provider"])] = float(row[column])
-                except (KeyError, ValueError):
-                    continue
     return out
 
 
-def header(path: Path) -> str:
+def header(rows: list[dict]) -> str:
     """When the run started, on how many threads, and the load average then (its first row)."""
-    with open(path / "bench.csv" if path.is_dir() else path, newline="") as f:
-        first = next(csv.DictReader(f))
-    return f"{first['date']}, {first['threads']} thread(s), load average {first['loadavg']}"
+    return f"{rows[0]['date']}, {rows[0]['threads']} thread(s), load average {rows[0]['loadavg']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.15, help="relative agreement asked for (default 0.15)")
     parser.add_argument("--markdown", action="store_true", help="print the disagreeing rows as a markdown table")
     args = parser.parse_args(argv)
-    ref, other = ratios(args.reference), ratios(args.other)
+    ref_rows, other_rows = load(args.reference), load(args.other)
+    ref, other = ratios(ref_rows), ratios(other_rows)
     shared = sorted(set(ref) & set(other))
     if not shared:
         parser.error("the two runs share no gated ratio")
     quotients = {key: other[key] / ref[key] for key in shared if ref[key] > 0}
-    print(f"reference: {header(args.reference)}\nother:     {header(args.other)}")
+    print(f"reference: {header(ref_rows)}\nother:     {header(other_rows)}")
     for column, label in RATIOS.items():
         values = [q for key, q in quotients.items() if key[0] == column]
         if values:

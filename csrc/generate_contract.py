@@ -98,10 +98,16 @@ def _switch(name: str, source: str, doc: str, table: dict, c, prefix: str) -> li
     return lines + ["    default: return -1;", "  }", "}", ""]
 
 
-def _aten_tables(c) -> list[str]:
+def _encoding_codes(c) -> tuple[dict, dict, dict]:
+    """The code of each stored dtype: (masters, exp_avg buffers, exp_avg_sq / max_exp_avg_sq buffers)."""
     masters = {dtype: code for dtype, code, _ in c.MASTER_ENCODINGS.values()}
     exp_avgs = {dtypes[0]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
     squares = {dtypes[1]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
+    return masters, exp_avgs, squares
+
+
+def _aten_tables(c) -> list[str]:
+    masters, exp_avgs, squares = _encoding_codes(c)
     lines = _switch("dtype_code_of", "DTYPE_CODE", "the DTYPE_ code of a kernel element type", c.DTYPE_CODE, c, "DTYPE_")
     lines += _switch("lr_kind_of", "LR_KIND_OF_DTYPE", "the LR_ kind of a tensor lr", c.LR_KIND_OF_DTYPE, c, "LR_")
     lines += _switch("master_kind_of_storage", "MASTER_ENCODINGS", "the MASTER_ code of a master buffer", masters, c,
@@ -147,13 +153,14 @@ def _triton_tables(c) -> dict[str, str]:
     def table(items):
         return "{" + ", ".join(f"{key}: {value}" for key, value in items) + "}"
 
+    masters, exp_avgs, squares = _encoding_codes(c)
     return {
         "DTYPE_CODE": table(c.DTYPE_CODE.items()),
         "LR_KIND_OF_DTYPE": table(c.LR_KIND_OF_DTYPE.items()),
-        "MASTER_KIND_OF_DTYPE": table((dtype, code) for dtype, code, _ in c.MASTER_ENCODINGS.values()),
+        "MASTER_KIND_OF_DTYPE": table(masters.items()),
         "MOMENT_KIND_OF_DTYPES": table((f"({a}, {b})", code) for (a, b), code in c.MOMENT_ENCODINGS.values()),
-        "EXP_AVG_KIND_OF_DTYPE": table((dtypes[0], code) for dtypes, code in c.MOMENT_ENCODINGS.values()),
-        "EXP_AVG_SQ_KIND_OF_DTYPE": table((dtypes[1], code) for dtypes, code in c.MOMENT_ENCODINGS.values()),
+        "EXP_AVG_KIND_OF_DTYPE": table(exp_avgs.items()),
+        "EXP_AVG_SQ_KIND_OF_DTYPE": table(squares.items()),
         # keyed by the master's stored dtype, as the rows see it
         "MASTER_PARAM_DTYPES": table((c.MASTER_ENCODINGS[mode][0], "(" + ", ".join(map(str, dtypes)) + ("," if len(dtypes) == 1 else "") + ")")
                                      for mode, dtypes in c.MASTER_PARAM_DTYPES.items()),

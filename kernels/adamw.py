@@ -425,17 +425,17 @@ def _group_rows(group_ids, groups, lr_kinds, device):
 def _group_key(h, kind, device, keep_alive, slot_of_lr) -> tuple:
     """The group row of ``h``, its lr read as ``kind`` (the batch's ``lr_kinds``: [note: lr kinds] in ampfused/_contract.py)."""
     lr = h.lr
-    value, addr = lr, 0
     if kind != int(LR_VALUE):
         # read in its own dtype by the kernel: no cast temporary, which a captured CUDA graph would
-        # replay into after the table cache dropped it; the rare float32 copy of a tensor on another
-        # device or of another dtype lives as long as the table
-        if lr.device != device or lr.dtype not in LR_KIND_OF_DTYPE:
+        # replay into after the table cache dropped it. Where the tensor is not what its kind reads
+        # (on another device, or of a dtype the kernels do not read: lr_kind chose LR_F32), the kernel
+        # reads a float32 copy on the device, which lives as long as the table.
+        if lr.device != device or LR_KIND_OF_DTYPE.get(lr.dtype) != kind:
             lr = lr.to(device=device, dtype=torch.float32)
             keep_alive.append(lr)
         value, addr = 0.0, lr.data_ptr()
     else:
-        value = float(value)  # a number, or a tensor in host memory: no device sync
+        value, addr = float(lr), 0  # a number, or a tensor in host memory: no device sync
         slot = slot_of_lr.get(value)
         if slot is None and len(slot_of_lr) < LR_SLOTS:
             slot = slot_of_lr[value] = len(slot_of_lr)

@@ -8,10 +8,10 @@ is like for like on fp32 params, both optimizers at the same thread count: ``pla
 ``FusedAmpAdamW(skip_nonfinite=False)`` without a scaler against ``torch.optim.AdamW(fused=True)``;
 ``clip`` is ``max_grad_norm=1.0`` against ``clip_grad_norm_(params, 1.0)`` + fused (both with
 non-finite gradients flowing through, as torch does); ``accumulate`` is the backward hook's add of
-bf16 micro-batch gradients into fp32 buffers against torch's ``main_grad.add_(grad)``. Before a row is timed, both take the same
-steps from the same params and gradients and their params and moments (or buffers) are compared
-(the gate);
-then their steps are timed interleaved (``measure.interleaved``), so the spinners hit both alike.
+bf16 micro-batch gradients into fp32 buffers against torch's ``main_grad.add_(grad)``. Before a row
+is timed, both sides take the same steps from the same inputs and their results (params and
+moments, or the buffers) are compared (the gate); then their steps are timed interleaved
+(``measure.interleaved``), so the spinners hit both alike.
 """
 from __future__ import annotations
 
@@ -244,6 +244,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m ampfused bench bu
         print(f"correctness gate: FAILED ({len(failed)} of {len(rows)} rows)")
         return 1
     worst = max(rows, key=lambda r: r["ratio"])
-    print(f"correctness gate: PASSED ({len(rows)} rows: params and moments match torch fused)")
+    print(f"correctness gate: PASSED ({len(rows)} rows: params and moments, or accumulated buffers, match torch's)")
     print(f"worst ours / torch: {worst['ratio']:.2f} ({worst['shape']} {worst['mode']}, {worst['threads']} thread(s))")
     return 0
