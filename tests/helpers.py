@@ -1,8 +1,12 @@
-"""Helpers shared by the semantic tests: tolerances per backend and state comparison."""
+"""Helpers shared by the semantic tests: tolerances per backend, state comparison, models and loops."""
+import math
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+import ampfused
 from ampfused import _backends
 from ampfused.check import KERNEL_TOLERANCE, TOLERANCES  # one table for the tests and `python -m ampfused check`
 
@@ -20,6 +24,12 @@ def available_backends(device=DEVICE):
             continue
         names.append(name)
     return names
+
+
+def backends_among(*names, device=DEVICE):
+    """Those of ``names`` that can serve ``device`` here, in the order given."""
+    have = available_backends(device)
+    return [n for n in names if n in have]
 
 
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -64,9 +74,57 @@ def assert_bitwise_equal(a, b):
                                                        y.view(torch.uint8) if y.dim() else y.reshape(1).view(torch.uint8)), f"{key} changed"
 
 
+def param(*shape, dtype=torch.float32):
+    """A fresh random Parameter of ``shape``."""
+    return torch.nn.Parameter(torch.randn(*shape).to(dtype))
+
+
 def make_params(shapes, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def mlp(*widths, activation=torch.nn.Tanh, dtype=None, device=None, seed=0):
+    """``Linear(widths[0], widths[1]), activation, Linear(...), ...``, initialised after ``manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        layers += [torch.nn.Linear(fan_in, fan_out)] + ([activation()] if i < len(widths) - 2 else [])
+    return torch.nn.Sequential(*layers).to(device=device, dtype=dtype)
+
+
+class ScalerRun(NamedTuple):
+    scales: list  # the scale after each update
+    collapse_warnings: list  # per update: the LossScaleCollapseWarnings it raised
+    opt: object
+    param: torch.nn.Parameter
+
+
+def scaler_steps(scaler, pattern, backend, device, optimizer_cls=None, nan_loss=False) -> ScalerRun:
+    """One ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` on a 3-element param per
+    entry of ``pattern``; an entry of 1 overflows (an inf gradient, or with ``nan_loss`` a NaN loss).
+    ``opt`` is ``FusedAmpAdamW`` on ``backend``, or ``optimizer_cls`` (torch's, for the stock trajectory)."""
+    from ampfused.scaler import LossScaleCollapseWarning
+
+    p = torch.nn.Parameter(torch.ones(3, device=device))
+    opt = optimizer_cls([p], lr=0.1) if optimizer_cls else ampfused.FusedAmpAdamW([p], lr=0.1, backend=backend)
+    scales, collapse = [], []
+    for found in pattern:
+        opt.zero_grad()
+        loss = p.sum() * (math.nan if (found and nan_loss) else 1.0)
+        scaler.scale(loss).backward()
+        if found and not nan_loss:
+            p.grad[1] = math.inf
+        scaler.step(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.update()
+        for w in caught:  # the others go on to pytest, as without the recording
+            if not issubclass(w.category, LossScaleCollapseWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        collapse.append([w for w in caught if issubclass(w.category, LossScaleCollapseWarning)])
+        scales.append(scaler.get_scale())
+    return ScalerRun(scales, collapse, opt, p)
 
 
 def clone_params(params, dtype=None):

@@ -12,17 +12,12 @@ import torch
 
 import ampfused
 from ampfused import _backends
-from helpers import DEVICE, assert_bitwise_equal, snapshot, tol
+from helpers import DEVICE, assert_bitwise_equal, make_params, snapshot, tol
 
 SHAPES = [(7, 5), (33,), (4, 3, 2)]
 STEPS = 6
 OVERFLOW_STEP = 2  # an inf gradient: the scaler skips the step and backs off
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_params(dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(DEVICE, dtype).requires_grad_() for s in SHAPES]
 
 
 def weights(step):
@@ -44,7 +39,7 @@ def scaled_backward(params, scaler, step):
 
 def run_scaled(backend, dtype, scaler_cls, clip=None, keep_scaled_grads=False):
     """Steps ours and the oracle side by side; checks p.grad, params and state after every step."""
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, DEVICE)
     oracle = [p.detach().float().clone().requires_grad_() for p in params]
     opt = ampfused.FusedAmpAdamW(params, lr=1e-2, max_grad_norm=clip, keep_scaled_grads=keep_scaled_grads,
                                  backend=backend)
@@ -107,7 +102,7 @@ def test_keep_scaled_grads_skips_the_write(backend, dtype, scaler_cls):
 
 def test_low_precision_grads_get_the_unscale_rounded(backend):
     """fp32_grad_accumulation=False: p.grad is bf16 and holds RNE(g / S), as torch's fused kernel stores it."""
-    params = make_params(torch.bfloat16)
+    params = make_params(SHAPES, torch.bfloat16, DEVICE)
     oracle = [p.detach().clone().requires_grad_() for p in params]
     opt = ampfused.FusedAmpAdamW(params, lr=1e-2, fp32_grad_accumulation=False, backend=backend)
     oracle_opt = torch.optim.AdamW(oracle, lr=1e-2, fused=True)
@@ -128,7 +123,7 @@ def test_low_precision_grads_get_the_unscale_rounded(backend):
 @pytest.mark.parametrize("clip", [None, 0.1])
 def test_no_scaler_leaves_grads_untouched(backend, clip):
     for skip_nonfinite in (True, False):
-        params = make_params(torch.float32)
+        params = make_params(SHAPES, torch.float32, DEVICE)
         opt = ampfused.FusedAmpAdamW(params, max_grad_norm=clip, skip_nonfinite=skip_nonfinite, backend=backend)
         for p, w in zip(params, weights(0)):
             p.grad = w * 3.0
@@ -139,7 +134,7 @@ def test_no_scaler_leaves_grads_untouched(backend, clip):
 
 def test_unscale_first_leaves_the_unscaled_grads(backend):
     """scaler.unscale_(opt) then scaler.step(opt): the grads are already unscaled and stay so (no second unscale)."""
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     opt = ampfused.FusedAmpAdamW(params, backend=backend)
     scaler = ampfused.GradScaler(DEVICE.type, init_scale=2.0**8)
     scaled_backward(params, scaler, 0)
@@ -162,7 +157,7 @@ def nonfinite_grads(kind):
 @pytest.mark.parametrize("kind", [math.inf, math.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_nonfinite_flows_through_as_in_torch(backend, kind, clip):
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     oracle = [p.detach().clone().requires_grad_() for p in params]
     opt = ampfused.FusedAmpAdamW(params, lr=1e-2, max_grad_norm=clip, skip_nonfinite=False, backend=backend)
     oracle_opt = torch.optim.AdamW(oracle, lr=1e-2, fused=True)
@@ -185,7 +180,7 @@ def test_nonfinite_flows_through_as_in_torch(backend, kind, clip):
 
 
 def test_default_guard_still_skips(backend):
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     opt = ampfused.FusedAmpAdamW(params, backend=backend)
     for p, g in zip(params, nonfinite_grads(math.nan)):
         p.grad = g
@@ -199,7 +194,7 @@ def test_plain_step_runs_no_stats_pass(backend, monkeypatch):
     calls = []
     original = module.grad_stats_
     monkeypatch.setattr(module, "grad_stats_", lambda *a, **k: calls.append(1) or original(*a, **k))
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     for p, w in zip(params, weights(0)):
         p.grad = w
     ampfused.FusedAmpAdamW(params, skip_nonfinite=False, backend=backend).step()
@@ -212,7 +207,7 @@ def test_plain_step_runs_no_stats_pass(backend, monkeypatch):
 @pytest.mark.parametrize("scaler_cls", [ampfused.GradScaler, torch.amp.GradScaler], ids=["ampfused", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_scaler_always_skips(backend, scaler_cls, dtype):
-    params = make_params(dtype)
+    params = make_params(SHAPES, dtype, DEVICE)
     opt = ampfused.FusedAmpAdamW(params, skip_nonfinite=False, backend=backend)
     scaler = scaler_cls(DEVICE.type, init_scale=2.0**10)
     scaled_backward(params, scaler, 0)
@@ -243,7 +238,7 @@ def test_flags_must_be_bool(name, bad):
 
 
 def test_flags_survive_copies_and_checkpoints():
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     opt = ampfused.FusedAmpAdamW(params, skip_nonfinite=False, keep_scaled_grads=True, backend="reference")
     for p, w in zip(params, weights(0)):
         p.grad = w
@@ -260,7 +255,7 @@ def test_flags_survive_copies_and_checkpoints():
 
 
 def test_functional_keywords(backend):
-    params = make_params(torch.float32)
+    params = make_params(SHAPES, torch.float32, DEVICE)
     p = [x.detach().clone() for x in params]
     grads = nonfinite_grads(math.nan)
     zeros = lambda: [torch.zeros_like(x) for x in p]  # noqa: E731

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ampfused
-from helpers import assert_states_close
+from helpers import assert_states_close, mlp
 
 STEPS = 24
 OVERFLOW_STEPS = {3: math.inf, 7: math.nan, 8: -math.inf, 15: math.inf}
@@ -13,12 +13,10 @@ GROWTH_INTERVAL = 3
 TRAINING_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def make_model(device, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(device)
+WIDTHS = (16, 32, 8)
 
 
-def backward(model, scaler, step, device):
+def overflowing_backward(model, scaler, step, device):
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(12, 16, generator=g).to(device), torch.randn(12, 8, generator=g).to(device)
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -28,11 +26,11 @@ def backward(model, scaler, step, device):
             model[0].weight.grad[1, 2] = OVERFLOW_STEPS[step]
 
 
-def train(mode, backend, device, clip):
+def train_scaled(mode, backend, device, clip):
     """mode: stock | ours | ours_unscale | torch_scaler_ours | torch_scaler_unscale_ours.
 
     Returns (model, opt, scales, norms, scaler)."""
-    model = make_model(device)
+    model = mlp(*WIDTHS, device=device)
     kw = dict(init_scale=2.0**10, growth_interval=GROWTH_INTERVAL)
     if mode == "stock":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -43,7 +41,7 @@ def train(mode, backend, device, clip):
     scales, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        backward(model, scaler, step, device)
+        overflowing_backward(model, scaler, step, device)
         if mode == "stock":
             scaler.unscale_(opt)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf))
@@ -60,8 +58,8 @@ def train(mode, backend, device, clip):
 @pytest.mark.parametrize("clip", [None, 0.5])
 @pytest.mark.parametrize("mode", ["ours", "ours_unscale", "torch_scaler_ours", "torch_scaler_unscale_ours"])
 def test_matches_stock_gradscaler_path(backend, device, mode, clip):
-    ref_model, ref_opt, ref_scales, ref_norms, _ = train("stock", backend, device, clip)
-    model, opt, scales, norms, scaler = train(mode, backend, device, clip)
+    ref_model, ref_opt, ref_scales, ref_norms, _ = train_scaled("stock", backend, device, clip)
+    model, opt, scales, norms, scaler = train_scaled(mode, backend, device, clip)
     assert scales == ref_scales, "scale trajectory differs"
     ref_params, params = list(ref_model.parameters()), list(model.parameters())
     for pr, pa in zip(ref_params, params):
@@ -83,12 +81,12 @@ def test_fused_optimizer_runs_no_extra_inf_check(backend, device, monkeypatch):
 
     monkeypatch.setattr(torch.amp.GradScaler, "_check_inf_per_device", forbidden)
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", forbidden)
-    model = make_model(device)
+    model = mlp(*WIDTHS, device=device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend)
     scaler = ampfused.GradScaler(device.type, init_scale=4.0)
     for step in (0, 3):  # a clean step, then an overflow
         opt.zero_grad()
-        backward(model, scaler, step, device)
+        overflowing_backward(model, scaler, step, device)
         scaler.step(opt)
         scaler.update()
     assert scaler.get_scale() == 2.0 and scaler.skipped_steps == 1
@@ -97,12 +95,12 @@ def test_fused_optimizer_runs_no_extra_inf_check(backend, device, monkeypatch):
 def test_with_other_optimizers_it_is_torchs_scaler(device):
     results = []
     for cls in (torch.amp.GradScaler, ampfused.GradScaler):
-        model = make_model(device)
+        model = mlp(*WIDTHS, device=device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = cls(device.type, init_scale=2.0**8, growth_interval=2)
         for step in range(10):
             opt.zero_grad()
-            backward(model, scaler, step, device)
+            overflowing_backward(model, scaler, step, device)
             scaler.step(opt)
             scaler.update()
             results.append(scaler.get_scale())
@@ -129,7 +127,7 @@ def test_unscale_accepts_low_precision_grads(dtype):
 
 
 def test_unscale_covers_the_fp32_grad_of_low_precision_params(device):
-    model = make_model(device).to(torch.bfloat16)
+    model = mlp(*WIDTHS, device=device).to(torch.bfloat16)
     opt = ampfused.FusedAmpAdamW(model.parameters())
     scaler = ampfused.GradScaler(device.type, init_scale=16.0)
     x = torch.randn(4, 16, device=device, dtype=torch.bfloat16)

@@ -9,30 +9,12 @@ import torch
 
 import ampfused
 from ampfused.scaler import LossScaleCollapseError, LossScaleCollapseWarning
-
-
-def drive(scaler, pattern, backend, device, nan_loss=False):
-    """One step per entry of pattern (1 = overflow); returns the collapse warnings raised per step."""
-    p = torch.nn.Parameter(torch.ones(3, device=device))
-    opt = ampfused.FusedAmpAdamW([p], lr=0.1, backend=backend)
-    per_step = []
-    for found in pattern:
-        opt.zero_grad()
-        loss = p.sum() * (math.nan if (found and nan_loss) else 1.0)
-        scaler.scale(loss).backward()
-        if found and not nan_loss:
-            p.grad[1] = math.inf
-        scaler.step(opt)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scaler.update()
-        per_step.append([w for w in caught if issubclass(w.category, LossScaleCollapseWarning)])
-    return per_step, opt, p
+from helpers import scaler_steps
 
 
 def test_repeated_overflows_at_min_scale_warn_with_the_count(backend, device):
     scaler = ampfused.GradScaler(device.type, init_scale=16.0, min_scale=1.0, collapse_threshold=10)
-    per_step, opt, p = drive(scaler, [1] * 25, backend, device)
+    _, per_step, opt, p = scaler_steps(scaler, [1] * 25, backend, device)
     warned_at = [i + 1 for i, ws in enumerate(per_step) if ws]
     if device.type == "cpu":
         assert warned_at == [10, 20]
@@ -49,13 +31,13 @@ def test_repeated_overflows_at_min_scale_warn_with_the_count(backend, device):
 def test_raise_on_collapse_is_opt_in(backend, device):
     scaler = ampfused.GradScaler(device.type, init_scale=4.0, min_scale=1.0, collapse_threshold=5, raise_on_collapse=True)
     with pytest.raises(LossScaleCollapseError, match=r"the last \d+ optimizer steps were all skipped"):
-        drive(scaler, [1] * 10, backend, device)
+        scaler_steps(scaler, [1] * 10, backend, device)
     assert scaler.consecutive_skipped_steps >= 5
 
 
 def test_a_good_step_resets_the_count(backend, device):
     scaler = ampfused.GradScaler(device.type, init_scale=2.0**8, min_scale=1.0, collapse_threshold=6)
-    per_step, _, _ = drive(scaler, ([1] * 5 + [0]) * 4, backend, device)
+    per_step = scaler_steps(scaler, ([1] * 5 + [0]) * 4, backend, device).collapse_warnings
     assert not any(per_step)
     assert scaler.consecutive_skipped_steps == 0 and scaler.skipped_steps == 20
 
@@ -63,14 +45,14 @@ def test_a_good_step_resets_the_count(backend, device):
 def test_nan_loss_without_min_scale_is_not_silent(backend, device):
     """No floor: the scale halves towards 0 while a NaN loss defeats every scale."""
     scaler = ampfused.GradScaler(device.type, collapse_threshold=50)
-    per_step, _, _ = drive(scaler, [1] * 60, backend, device, nan_loss=True)
+    per_step = scaler_steps(scaler, [1] * 60, backend, device, nan_loss=True).collapse_warnings
     assert sum(map(len, per_step)) == 1
     assert "loss scale is" in str(next(w for ws in per_step for w in ws).message)
 
 
 def test_collapse_check_can_be_turned_off(backend, device):
     scaler = ampfused.GradScaler(device.type, init_scale=4.0, min_scale=1.0, collapse_threshold=None, raise_on_collapse=True)
-    per_step, _, _ = drive(scaler, [1] * 12, backend, device)
+    per_step = scaler_steps(scaler, [1] * 12, backend, device).collapse_warnings
     assert not any(per_step)
 
 
@@ -82,7 +64,7 @@ def test_invalid_collapse_threshold(value):
 
 def test_count_survives_state_dict_pickle_and_deepcopy(backend, device):
     scaler = ampfused.GradScaler(device.type, init_scale=8.0, min_scale=1.0, collapse_threshold=8)
-    drive(scaler, [1] * 6, backend, device)
+    scaler_steps(scaler, [1] * 6, backend, device)
     state = scaler.state_dict()
     assert state["consecutive_skipped_steps"] == 6
     from_state_dict = ampfused.GradScaler(device.type, collapse_threshold=8)
@@ -90,7 +72,7 @@ def test_count_survives_state_dict_pickle_and_deepcopy(backend, device):
     # each copy must carry the count by itself (only the fresh scaler gets load_state_dict)
     for resumed in (from_state_dict, pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
         assert resumed.consecutive_skipped_steps == 6
-        per_step, _, _ = drive(resumed, [1] * 3, backend, device)
+        per_step = scaler_steps(resumed, [1] * 3, backend, device).collapse_warnings
         warned_at = [i for i, ws in enumerate(per_step) if ws]
         assert warned_at and warned_at[0] >= 1  # 6 + 2 = 8 consecutive skips
     torch.amp.GradScaler(device.type).load_state_dict(state)  # torch ignores the extra key

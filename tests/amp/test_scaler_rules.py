@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ampfused
+from helpers import scaler_steps
 
 PATTERN = [0, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
 
@@ -25,34 +26,19 @@ def expected_trajectory(pattern, init, growth, backoff, interval, hysteresis, mi
     return out
 
 
-def drive(scaler, pattern, backend, device, optimizer_cls=None):
-    p = torch.nn.Parameter(torch.ones(3, device=device))
-    opt = optimizer_cls([p], lr=0.1) if optimizer_cls else ampfused.FusedAmpAdamW([p], lr=0.1, backend=backend)
-    scales = []
-    for found in pattern:
-        opt.zero_grad()
-        scaler.scale(p.sum()).backward()
-        if found:
-            p.grad[0] = math.inf
-        scaler.step(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-    return scales
-
-
 KW = dict(init_scale=2.0**6, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
 
 def test_default_rules_are_torchs(backend, device):
-    stock = drive(torch.amp.GradScaler(device.type, **KW), PATTERN, backend, device, optimizer_cls=torch.optim.AdamW)
-    ours = drive(ampfused.GradScaler(device.type, **KW), PATTERN, backend, device)
+    stock = scaler_steps(torch.amp.GradScaler(device.type, **KW), PATTERN, backend, device, optimizer_cls=torch.optim.AdamW).scales
+    ours = scaler_steps(ampfused.GradScaler(device.type, **KW), PATTERN, backend, device).scales
     assert ours == stock == expected_trajectory(PATTERN, 2.0**6, 2.0, 0.5, 3, 1, None)
 
 
 @pytest.mark.parametrize("hysteresis,min_scale", [(2, None), (3, None), (1, 8.0), (2, 16.0)])
 def test_hysteresis_and_min_scale(backend, device, hysteresis, min_scale):
     scaler = ampfused.GradScaler(device.type, **KW, hysteresis=hysteresis, min_scale=min_scale)
-    scales = drive(scaler, PATTERN, backend, device)
+    scales = scaler_steps(scaler, PATTERN, backend, device).scales
     assert scales == expected_trajectory(PATTERN, 2.0**6, 2.0, 0.5, 3, hysteresis, min_scale)
     assert scaler.skipped_steps == sum(PATTERN)
     if min_scale:
@@ -61,18 +47,18 @@ def test_hysteresis_and_min_scale(backend, device, hysteresis, min_scale):
 
 def test_state_dict_round_trip_and_torch_interop(backend, device):
     scaler = ampfused.GradScaler(device.type, **KW, hysteresis=3, min_scale=4.0)
-    drive(scaler, PATTERN[:8], backend, device)
+    scaler_steps(scaler, PATTERN[:8], backend, device)
     state = scaler.state_dict()
     for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker",
                 "hysteresis", "min_scale", "_hysteresis_tracker", "skipped_steps"):
         assert key in state
     resumed = ampfused.GradScaler(device.type)
     resumed.load_state_dict(state)
-    assert drive(resumed, PATTERN[8:], backend, device) == drive(scaler, PATTERN[8:], backend, device)
+    assert scaler_steps(resumed, PATTERN[8:], backend, device).scales == scaler_steps(scaler, PATTERN[8:], backend, device).scales
     assert resumed.skipped_steps == scaler.skipped_steps
 
     stock = torch.amp.GradScaler(device.type, **KW)
-    drive(stock, PATTERN[:5], backend, device, optimizer_cls=torch.optim.AdamW)
+    scaler_steps(stock, PATTERN[:5], backend, device, optimizer_cls=torch.optim.AdamW)
     from_torch = ampfused.GradScaler(device.type)
     from_torch.load_state_dict(stock.state_dict())
     assert from_torch.get_scale() == stock.get_scale() and from_torch._hysteresis == 1
@@ -101,7 +87,7 @@ def test_constructor_errors(kwargs, match):
 
 
 def drive_random(scaler, pattern, make_opt, device, new_scale_at=None):
-    """Like drive, with gradients whose unscaled values are inexact products (x * (1/S) rounds),
+    """Like helpers.scaler_steps, with gradients whose unscaled values are inexact products (x * (1/S) rounds),
     and a user-set scale (update(new_scale)) at step new_scale_at. Returns the scales, the steps
     taken per step and the final param."""
     gen = torch.Generator().manual_seed(0)

@@ -52,7 +52,7 @@ def step_lists(device):
     return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), hypers
 
 
-def run(backend):
+def rounded_step(backend):
     lists, hypers = step_lists(DEVICE)
     fused_amp_adamw(*lists, **hypers, beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=True, skip_nonfinite=False,
                     backend=backend, rounding_seed=SEED)
@@ -71,7 +71,7 @@ def assert_same_step(actual, expected, what):
 
 def test_the_step_rounds_stochastically():
     """The step is one that shows the bits: SR moved values off round-to-nearest, in every write."""
-    sr = run("reference")
+    sr = rounded_step("reference")
     lists, hypers = step_lists(DEVICE)
     fused_amp_adamw(*lists, **hypers, beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=True, skip_nonfinite=False,
                     backend="reference")
@@ -80,14 +80,14 @@ def test_the_step_rounds_stochastically():
 
 
 def test_every_backend_draws_the_reference_bits(backend):
-    assert_same_step(run(backend), run("reference"), backend)
+    assert_same_step(rounded_step(backend), rounded_step("reference"), backend)
 
 
 def test_the_cuda_kernel_draws_the_reference_bits(cuda_emulation, monkeypatch):
-    expected = run("reference")
+    expected = rounded_step("reference")
     emulated = cuda_emulation
     monkeypatch.setattr(_backends, "resolve", lambda requested, device: (emulated, "emulated cuda"))
-    assert_same_step(run(None), expected, "emulated cuda")
+    assert_same_step(rounded_step(None), expected, "emulated cuda")
 
 
 def test_the_index_keys_the_bits():

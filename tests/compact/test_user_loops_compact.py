@@ -18,7 +18,7 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused.checkpoint import to_torch_state_dict
-from helpers import DEVICE
+from helpers import DEVICE, backends_among
 
 MODES = [("fp32", None, False), ("split16", None, False), ("split8", None, False), (False, None, False),
          ("fp32", torch.bfloat16, False), ("split16", torch.bfloat16, True), ("fp32", "int8", False),
@@ -34,20 +34,14 @@ def mode_id(mode):
 def modes_by_backend(*names):
     """(backend, mode): every mode on the reference backend (the oracle's own), the FEW on the others
     that are available (the Triton interpreter is slow: only where a test names it)."""
-    have = backends(*names)
+    have = backends_among(*names)
     return [pytest.param(b, m, id=f"{b}-{mode_id(m)}") for b in have for m in (MODES if b == "reference" else FEW)]
 
 
 CHEAP = ("reference", "cpu")
 
 
-def backends(*names):
-    from helpers import available_backends
-    have = available_backends()
-    return [n for n in names if n in have]
-
-
-class Net(torch.nn.Module):
+class OddSizedNet(torch.nn.Module):
     """Odd sizes (not multiples of 256), a LayerNorm and biases under int8's 4096 threshold, one
     weight above it."""
 
@@ -62,19 +56,19 @@ class Net(torch.nn.Module):
         return self.out(torch.relu(self.mid(self.norm(torch.relu(self.inp(x))))))
 
 
-def build(dtype=torch.bfloat16):
+def odd_sized_net(dtype=torch.bfloat16):
     torch.manual_seed(0)
-    return Net().to(DEVICE, dtype)
+    return OddSizedNet().to(DEVICE, dtype)
 
 
-def micro_batch(step, micro):
+def labelled_batch(step, micro):
     g = torch.Generator().manual_seed(step * 16 + micro)
     return torch.randn(8, 24, generator=g).to(DEVICE), torch.randint(0, 5, (8,), generator=g).to(DEVICE)
 
 
-def backward(model, step, accumulate=4, dtype=torch.bfloat16):
+def accumulate_grads(model, step, accumulate=4, dtype=torch.bfloat16):
     for micro in range(accumulate):
-        x, y = micro_batch(step, micro)
+        x, y = labelled_batch(step, micro)
         with torch.autocast(DEVICE.type, dtype=dtype):
             loss = torch.nn.functional.cross_entropy(model(x), y) / accumulate
         loss.backward()
@@ -172,9 +166,9 @@ def assert_encoded_torch_step(opt, expected, backend, stochastic):
 # ------------------------------------------------------------------ 1. the tutorial trainer
 
 
-def train(model, opt, sched, steps, first=0, check=None, backend=None, stochastic=False):
+def train_checked(model, opt, sched, steps, first=0, check=None, backend=None, stochastic=False):
     for step in range(first, first + steps):
-        backward(model, step)
+        accumulate_grads(model, step)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         expected = torch_step(opt, decoded(opt)) if check else None
         opt.step()
@@ -189,36 +183,36 @@ def one_cycle(opt, total=20):
 
 
 @pytest.mark.parametrize("backend,mode", modes_by_backend("reference", "cpu") + [
-    pytest.param(b, MODES[7], id=f"{b}-{mode_id(MODES[7])}") for b in backends("triton")])
+    pytest.param(b, MODES[7], id=f"{b}-{mode_id(MODES[7])}") for b in backends_among("triton")])
 def test_tutorial_trainer_each_step_is_torch_adamw_then_the_encoding(backend, mode):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), mode, backend)
     torch.manual_seed(3)
-    train(model, opt, one_cycle(opt), 3 if backend == "triton" else 5, check=True, backend=backend, stochastic=mode[2])
+    train_checked(model, opt, one_cycle(opt), 3 if backend == "triton" else 5, check=True, backend=backend, stochastic=mode[2])
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("backend", backends("reference", "triton"))
+@pytest.mark.parametrize("backend", backends_among("reference", "triton"))
 def test_tutorial_trainer_exact_modes_follow_an_independent_torch_loop(backend):
     """fp32 and split16 masters against a twin bf16 model trained by torch.optim.AdamW on fp32 masters
     (fp32 accumulation of the micro-batches, the user's clip, the scheduler): the same grads, params,
     masters and moments; bit for bit on the reference backend (split16: but at ties, which the twin
     applies too), and split16 bit for bit the fp32 run on every backend."""
-    twin = build()
+    twin = odd_sized_net()
     masters = [torch.nn.Parameter(p.detach().float()) for p in twin.parameters()]
     ref = torch.optim.AdamW(masters, lr=3e-3, weight_decay=0.1)
     ref_sched = one_cycle(ref)
     runs = {}
     for mode in ("fp32", "split16"):
-        model = build()
+        model = odd_sized_net()
         opt = optimizer(model.parameters(), (mode, None, False), backend)
         runs[mode] = (model, opt, one_cycle(opt))
     for step in range(4):
         for model, opt, sched in runs.values():
-            backward(model, step)
+            accumulate_grads(model, step)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for micro in range(4):  # the twin: fp32 accumulation by hand
-            x, y = micro_batch(step, micro)
+            x, y = labelled_batch(step, micro)
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
                 (torch.nn.functional.cross_entropy(twin(x), y) / 4).backward()
             for m, p in zip(masters, twin.parameters()):
@@ -275,9 +269,9 @@ def kept_bytes(model, mode):
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_state_bytes_are_the_documented_ones(mode):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), mode, "reference")
-    train(model, opt, one_cycle(opt), 1)
+    train_checked(model, opt, one_cycle(opt), 1)
     want = kept_bytes(model, mode)
     tensors = sum(1 for _ in model.parameters())
     assert want <= opt.state_bytes() <= want + 5 * 2 * 128 * tensors, (opt.state_bytes(), want)  # + 128-byte alignment
@@ -303,23 +297,23 @@ def assert_same_run(model_a, opt_a, model_b, opt_b):
 
 @pytest.mark.parametrize("backend,mode", modes_by_backend("reference", "cpu"))
 def test_checkpoint_mid_run_continues_bitwise(backend, mode):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), mode, backend)
     sched = one_cycle(opt)
     torch.manual_seed(4)
-    train(model, opt, sched, 2)
+    train_checked(model, opt, sched, 2)
     ckpt = save_load({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                       "rng": torch.get_rng_state()})
-    train(model, opt, sched, 2, first=2)
+    train_checked(model, opt, sched, 2, first=2)
 
-    model2 = build()
+    model2 = odd_sized_net()
     model2.load_state_dict(ckpt["model"])
     opt2 = optimizer(model2.parameters(), mode, backend, lr=1.0)
     sched2 = one_cycle(opt2)
     opt2.load_state_dict(ckpt["opt"])
     sched2.load_state_dict(ckpt["sched"])
     torch.set_rng_state(ckpt["rng"])
-    train(model2, opt2, sched2, 2, first=2)
+    train_checked(model2, opt2, sched2, 2, first=2)
     assert_same_run(model, opt, model2, opt2)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert opt2.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
@@ -329,16 +323,16 @@ def test_checkpoint_mid_run_continues_bitwise(backend, mode):
 def test_torch_adamw_checkpoint_loads_into_each_mode_and_continues(mode, torch_dtype):
     """A run begun with torch.optim.AdamW (on an fp32 model, or on the bf16 model directly: bf16
     state) continues in every mode: the loaded state is torch's, encoded; the next steps follow torch."""
-    model = build(torch_dtype)
+    model = odd_sized_net(torch_dtype)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = one_cycle(torch_opt)
     for step in range(3):
-        backward(model, step)
+        accumulate_grads(model, step)
         torch_opt.step()
         sched.step()
         torch_opt.zero_grad()
     ckpt = save_load({"model": model.state_dict(), "opt": torch_opt.state_dict(), "sched": sched.state_dict()})
-    model2 = build()
+    model2 = odd_sized_net()
     model2.load_state_dict(ckpt["model"])
     opt = optimizer(model2.parameters(), mode, "reference")
     sched2 = one_cycle(opt)
@@ -353,16 +347,16 @@ def test_torch_adamw_checkpoint_loads_into_each_mode_and_continues(mode, torch_d
             assert torch.equal(start["state"][i]["exp_avg"], torch_state["exp_avg"].float())
         if mode[0] is not False:  # no master in torch's dict: the param is the master
             assert torch.equal(start["state"][i]["master_param"], p.detach().float())
-    train(model2, opt, sched2, 2, first=3, check=True, backend="reference", stochastic=mode[2])
+    train_checked(model2, opt, sched2, 2, first=3, check=True, backend="reference", stochastic=mode[2])
 
 
 @pytest.mark.parametrize("mode", MODES, ids=mode_id)
 def test_to_torch_state_dict_continues_in_torch_and_in_fp32_mode(mode):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), mode, "reference")
     sched = one_cycle(opt)
     torch.manual_seed(4)
-    train(model, opt, sched, 3)
+    train_checked(model, opt, sched, 3)
     params = list(model.parameters())
     sd = opt.state_dict()
     torch_sd = save_load(to_torch_state_dict(sd, params))
@@ -371,14 +365,14 @@ def test_to_torch_state_dict_continues_in_torch_and_in_fp32_mode(mode):
     masters = [torch.nn.Parameter(torch_sd["state"][i].get("master_param", p.detach().float()).clone()) for i, p in enumerate(params)]
     torch_opt = torch.optim.AdamW(masters)
     torch_opt.load_state_dict(torch_sd)
-    fp32_model = build()
+    fp32_model = odd_sized_net()
     fp32_model.load_state_dict(model.state_dict())
     fp32 = optimizer(fp32_model.parameters(), ("fp32", None, False), "reference")
     fp32_sched = one_cycle(fp32)  # (before the loads, as torch's recipe: it sets lr and betas)
     fp32.load_state_dict(torch_sd)
     fp32_sched.load_state_dict(ckpt_sched)
-    train(model, opt, sched, 1, first=3)
-    backward(fp32_model, 3)
+    train_checked(model, opt, sched, 1, first=3)
+    accumulate_grads(fp32_model, 3)
     torch.nn.utils.clip_grad_norm_(fp32_model.parameters(), 1.0)
     for m, p in zip(masters, fp32_model.parameters()):
         m.grad = p.grad.float().clone()
@@ -400,9 +394,9 @@ def test_to_torch_state_dict_does_not_alias_the_live_state():
     """The converted dict holds copies: a torch.optim.AdamW that loads it in the same process (the
     docstring's example) and steps must not move ampfused's step counters or moments (torch keeps the
     fp32 tensors it loads onto fp32 params as they are, and increments ``step`` in place)."""
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), ("fp32", None, False), "reference")
-    train(model, opt, one_cycle(opt), 2)
+    train_checked(model, opt, one_cycle(opt), 2)
     params = list(model.parameters())
     before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
     torch_sd = to_torch_state_dict(opt.state_dict(), params)
@@ -425,16 +419,16 @@ def mode_pairs():
 
 @pytest.mark.parametrize("saved,loaded", mode_pairs(), ids=lambda m: f"{m[0]}-{str(m[1]).replace('torch.', '')}")
 def test_switching_modes_across_a_checkpoint_works_or_is_refused_cleanly(saved, loaded):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), saved, "reference")
     sched = one_cycle(opt)
-    train(model, opt, sched, 3)
+    train_checked(model, opt, sched, 3)
     ckpt = save_load({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
-    model2 = build()
+    model2 = odd_sized_net()
     model2.load_state_dict(ckpt["model"])
     opt2 = optimizer(model2.parameters(), loaded, "reference", lr=0.5)
     sched2 = one_cycle(opt2)
-    train(model2, opt2, sched2, 1, first=7)  # state already there: a refused load must leave it
+    train_checked(model2, opt2, sched2, 1, first=7)  # state already there: a refused load must leave it
     before = {p: {k: v.clone() for k, v in opt2.state[p].items()} for p in model2.parameters()}
     params_before = [p.detach().clone() for p in model2.parameters()]
     lr_before = opt2.param_groups[0]["lr"]
@@ -458,7 +452,7 @@ def test_switching_modes_across_a_checkpoint_works_or_is_refused_cleanly(saved, 
         assert start["state"][i]["step"].item() == 3.0
         if "master_param" in start["state"][i] and "master_param" in want["state"][i]:
             torch.testing.assert_close(start["state"][i]["master_param"], want["state"][i]["master_param"], rtol=2**-8, atol=0)
-    train(model2, opt2, sched2, 1, first=3, check=True, backend="reference")
+    train_checked(model2, opt2, sched2, 1, first=3, check=True, backend="reference")
 
 
 # ------------------------------------------------------------------ 3. param groups
@@ -468,7 +462,7 @@ def test_switching_modes_across_a_checkpoint_works_or_is_refused_cleanly(saved, 
 def test_param_groups_freezing_and_late_params(backend, mode):
     """Two groups (lr, weight decay), a frozen group, a param with no grad on odd steps, a param
     unfrozen at step 5, a group added at step 3 (with a 0-element param), each step torch's."""
-    model = build()
+    model = odd_sized_net()
     extra = torch.nn.Parameter(torch.randn(300, 17, device=DEVICE).to(torch.bfloat16))  # added later
     empty = torch.nn.Parameter(torch.zeros(0, device=DEVICE, dtype=torch.bfloat16))
     model.norm.requires_grad_(False)  # frozen group
@@ -481,7 +475,7 @@ def test_param_groups_freezing_and_late_params(backend, mode):
             opt.add_param_group({"params": [extra, empty], "lr": 2e-3})
         if step == 5:
             model.inp.bias.requires_grad_(True)
-        backward(model, step)
+        accumulate_grads(model, step)
         if step >= 3:
             extra.grad = (torch.randn(extra.shape, generator=torch.Generator().manual_seed(step)) * 1e-2).to(DEVICE, extra.dtype)
             empty.grad = torch.zeros_like(empty)
@@ -504,14 +498,14 @@ def test_param_groups_freezing_and_late_params(backend, mode):
     assert opt.state[empty]["step"].item() == 5.0
 
 
-@pytest.mark.parametrize("backend", backends(*CHEAP))
+@pytest.mark.parametrize("backend", backends_among(*CHEAP))
 def test_group_added_mid_run_survives_a_checkpoint(backend):
     """A group added at step 2 in split8 + int8 (+ amsgrad): the resumed run adds it again before
     loading (as torch requires) and continues bit for bit, random rounding seeds included."""
     mode = ("split8", "int8", False)
 
     def make():
-        model = build()
+        model = odd_sized_net()
         extra = torch.nn.Parameter(torch.randn(300, 17, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16))
         return model, extra, optimizer(model.parameters(), mode, backend, amsgrad=True)
 
@@ -522,7 +516,7 @@ def test_group_added_mid_run_survives_a_checkpoint(backend):
     for step in range(6):
         if step == 2:
             opt.add_param_group({"params": [extra], "lr": 1e-3})
-        backward(model, step)
+        accumulate_grads(model, step)
         if step >= 2:
             extra_grad(extra, step)
         opt.step()
@@ -537,7 +531,7 @@ def test_group_added_mid_run_survives_a_checkpoint(backend):
     opt2.load_state_dict(ckpt["opt"])
     assert opt2.param_groups[1]["lr"] == 1e-3
     for step in range(4, 6):
-        backward(model2, step)
+        accumulate_grads(model2, step)
         extra_grad(extra2, step)
         opt2.step()
         opt2.zero_grad()
@@ -552,10 +546,10 @@ def test_group_added_mid_run_survives_a_checkpoint(backend):
 
 @pytest.mark.parametrize("mode", [MODES[0]] + FEW, ids=mode_id)
 def test_state_inspection_deepcopy_and_reset(mode):
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), mode, "reference")
     sched = one_cycle(opt)
-    train(model, opt, sched, 2)
+    train_checked(model, opt, sched, 2)
     for p in model.parameters():  # logging code
         state = opt.state[p]
         assert state["step"].dtype == torch.float32 and state["step"].dim() == 0 and state["step"].item() == 2.0
@@ -565,12 +559,12 @@ def test_state_inspection_deepcopy_and_reset(mode):
     copied_params = [p for g in copied.param_groups for p in g["params"]]
     frozen = {i: {k: v.clone() for k, v in copied.state[q].items()} for i, q in enumerate(copied_params)}
     torch.manual_seed(1)
-    train(model, opt, sched, 1, first=2)
+    train_checked(model, opt, sched, 1, first=2)
     for i, q in enumerate(copied_params):  # stepping the original leaves the copy
         assert all(torch.equal(copied.state[q][k], v) for k, v in frozen[i].items())
     # reset: the next step is a fresh optimizer's on the current weights
     opt.state.clear()
-    fresh_model = build()
+    fresh_model = odd_sized_net()
     fresh_model.load_state_dict(model.state_dict())
     fresh = optimizer(fresh_model.parameters(), mode, "reference")
     for o in (opt, fresh):
@@ -578,7 +572,7 @@ def test_state_inspection_deepcopy_and_reset(mode):
         o.param_groups[0]["betas"] = (0.9, 0.999)
     for m, o in ((model, opt), (fresh_model, fresh)):
         torch.manual_seed(2)
-        backward(m, 9)
+        accumulate_grads(m, 9)
         o.step()
         o.zero_grad()
     assert_same_run(model, opt, fresh_model, fresh)
@@ -598,17 +592,17 @@ def torch_step_unscaled(opt, scale):
 
 
 @pytest.mark.parametrize("backend,state_dtype", [("reference", None), ("reference", torch.bfloat16)] + [
-    (b, "int8") for b in backends(*CHEAP)])
+    (b, "int8") for b in backends_among(*CHEAP)])
 def test_fp16_split8_with_grad_scaler_and_an_overflow_step(backend, state_dtype):
     """fp16 model, split8 masters, ampfused.GradScaler (every other step through unscale_ and the user's
     clip_grad_norm_): each step torch's on the unscaled gradients, which p.grad holds afterwards (as
     torch's fused AdamW leaves it); an overflowing step changes no buffer at all and backs off."""
-    model = build(torch.float16)
+    model = odd_sized_net(torch.float16)
     opt = optimizer(model.parameters(), ("split8", state_dtype, False), backend)
     scaler = ampfused.GradScaler(DEVICE.type, init_scale=2.0**10)
     for step in range(4):
         for micro in range(2):
-            x, y = micro_batch(step, micro)
+            x, y = labelled_batch(step, micro)
             with torch.autocast(DEVICE.type, dtype=torch.float16):
                 loss = torch.nn.functional.cross_entropy(model(x), y)
             scaler.scale(loss).backward()
@@ -649,10 +643,10 @@ def test_split_masters_leave_fp32_params_their_own_master(master_weights):
     run bit for bit."""
     runs = []
     for mw in ("fp32", master_weights):
-        model = build()
+        model = odd_sized_net()
         model.norm.float()
         opt = optimizer(model.parameters(), (mw, None, False), "reference")
-        train(model, opt, one_cycle(opt), 3, check=True, backend="reference")
+        train_checked(model, opt, one_cycle(opt), 3, check=True, backend="reference")
         runs.append((model, opt))
     (a, fp32), (b, split) = runs
     for p, q in zip(a.norm.parameters(), b.norm.parameters()):
@@ -669,9 +663,9 @@ def test_split_masters_on_an_fp32_model_are_the_fp32_mode_and_say_so(master_weig
     repr says that no param has a split master."""
     runs = []
     for mw in (None, master_weights):
-        model = build(torch.float32)
+        model = odd_sized_net(torch.float32)
         opt = optimizer(model.parameters(), (mw, None, False), "reference")
-        train(model, opt, one_cycle(opt), 2)
+        train_checked(model, opt, one_cycle(opt), 2)
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])
     assert runs[0][1].state_bytes() == runs[1][1].state_bytes()
@@ -679,9 +673,9 @@ def test_split_masters_on_an_fp32_model_are_the_fp32_mode_and_say_so(master_weig
 
 
 def test_int8_moments_with_amsgrad_follow_torch():
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), ("split8", "int8", False), "reference", amsgrad=True)
-    train(model, opt, one_cycle(opt), 4, check=True, backend="reference")
+    train_checked(model, opt, one_cycle(opt), 4, check=True, backend="reference")
     assert "max_exp_avg_sq_codes" in opt.state[model.inp.weight]
 
 
@@ -697,33 +691,33 @@ def test_int8_moments_with_amsgrad_follow_torch():
 ])
 def test_unknown_mode_strings_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ampfused.FusedAmpAdamW(build().parameters(), **kwargs)
+        ampfused.FusedAmpAdamW(odd_sized_net().parameters(), **kwargs)
 
 
 def test_split16_fp16_group_added_later_is_refused_before_any_write():
-    model = build()
+    model = odd_sized_net()
     opt = optimizer(model.parameters(), ("split16", None, False), "reference")
-    train(model, opt, one_cycle(opt), 1)
+    train_checked(model, opt, one_cycle(opt), 1)
     groups = len(opt.param_groups)
     half = torch.nn.Parameter(torch.randn(40, device=DEVICE).half())
     with pytest.raises(ValueError, match="split8"):
         opt.add_param_group({"params": [half]})
     assert len(opt.param_groups) == groups
-    train(model, opt, one_cycle(opt), 1, first=1)
+    train_checked(model, opt, one_cycle(opt), 1, first=1)
 
 
 @pytest.mark.parametrize("source", ["torch", "ampfused"])
 def test_empty_state_entries_of_peeked_params_load_and_convert(source):
     """``opt.state`` is a defaultdict: logging code that reads ``opt.state[p]`` of a param that never
     stepped (frozen) leaves an empty entry, which state_dict() writes; torch loads such dicts."""
-    model = build()
+    model = odd_sized_net()
     model.norm.requires_grad_(False)
     params = list(model.parameters())
     if source == "torch":
         opt = torch.optim.AdamW(params, lr=3e-3)
     else:
         opt = optimizer(params, ("split8", "int8", False), "reference")
-    backward(model, 0)
+    accumulate_grads(model, 0)
     opt.step()
     assert not opt.state[model.norm.weight]  # the peek: an empty entry
     sd = save_load(opt.state_dict())
@@ -731,14 +725,14 @@ def test_empty_state_entries_of_peeked_params_load_and_convert(source):
     converted = to_torch_state_dict(sd, params)
     assert converted["state"][2] == {}
     torch.optim.AdamW(params).load_state_dict(converted)
-    model2 = build()
+    model2 = odd_sized_net()
     model2.load_state_dict(model.state_dict())
     for mode in (("split8", "int8", False), ("fp32", None, False)):
         opt2 = optimizer(model2.parameters(), mode, "reference")
         opt2.load_state_dict(sd if mode[0] == "split8" or source == "torch" else converted)
         assert not opt2.state.get(list(model2.parameters())[2])
         model2.norm.requires_grad_(True)
-        backward(model2, 1)
+        accumulate_grads(model2, 1)
         opt2.step()
         assert opt2.state[list(model2.parameters())[2]]["step"].item() == 1.0
         model2.zero_grad(set_to_none=True)

@@ -260,9 +260,9 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         ptx_file, cubin_file = work / f"triton{i}.ptx", work / f"triton{i}.cubin"
         ptx_file.write_text(kernel.asm["ptx"])
         cubin_file.write_bytes(kernel.asm["cubin"])
-        info = ptxas_info(run([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", str(work / "scratch.cubin")]))
+        info = ptxas_info(run_tool([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", str(work / "scratch.cubin")]))
         info = next(iter(info.values()))
-        sass = sass_functions(run([cuobjdump, "-sass", str(cubin_file)]))
+        sass = sass_functions(run_tool([cuobjdump, "-sass", str(cubin_file)]))
         instructions = next(iter(sass.values()))
         inner = spills_in_inner_loops(instructions)
         threads = kernel.metadata.num_warps * 32
@@ -408,9 +408,9 @@ def compile_cuda(work: Path) -> tuple[list[dict], list[str]]:
     cubin = work / "passes.cubin"
     keep = work / "keep"
     keep.mkdir()
-    log = run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-cubin", "--keep",
+    log = run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-cubin", "--keep",
                f"--keep-dir={keep}", str(ROOT / "csrc/cuda/passes.cu"), "-o", str(cubin)])
-    sass = sass_functions(run([tool("cuobjdump"), "-sass", str(cubin)]))
+    sass = sass_functions(run_tool([tool("cuobjdump"), "-sass", str(cubin)]))
     ptx = "\n".join(p.read_text() for p in keep.glob("*.ptx"))
     rows, problems = [], []
     for mangled, info in ptxas_info(log).items():
@@ -461,9 +461,9 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
     counts = {}
     for fmad in ("true", "false"):
         cubin = work / f"probes_{fmad}.cubin"
-        run([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", f"--fmad={fmad}", "-cubin",
+        run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", f"--fmad={fmad}", "-cubin",
              str(ROOT / "tests/contract/sm90_probes.cu"), "-o", str(cubin)])
-        for name, instructions in sass_functions(run([tool("cuobjdump"), "-sass", str(cubin)])).items():
+        for name, instructions in sass_functions(run_tool([tool("cuobjdump"), "-sass", str(cubin)])).items():
             n = sum(1 for _, t in instructions if re.match(r"(?:@!?P\w+\s+)?[DF]FMA\b", t))
             counts.setdefault(name, [0, 0])[0 if fmad == "true" else 1] = n
     problems = [f"{name}: {a} FFMA/DFMA with nvcc's default contraction, {b} with --fmad=false: a product fused "
@@ -498,14 +498,14 @@ def tool(name: str) -> str:
     return str(path)
 
 
-def run(cmd: list[str]) -> str:
+def run_tool(cmd: list[str]) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     return done.stdout + done.stderr
 
 
-def table(rows: list[dict]) -> str:
+def report_table(rows: list[dict]) -> str:
     lines = ["| kernel | config | threads | regs | spill st/ld (B) | stack (B) | smem (B) | spills in hot loops | blocks/SM | occupancy |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -564,7 +564,7 @@ def nvcc_release() -> str:
     nvcc = find_nvcc()
     if nvcc is None:
         return "no nvcc"
-    m = re.search(r"release ([0-9.]+)", run([nvcc, "--version"]))
+    m = re.search(r"release ([0-9.]+)", run_tool([nvcc, "--version"]))
     return f"nvcc {m.group(1)}" if m else "nvcc"
 
 
@@ -607,7 +607,7 @@ def main() -> int:
             cuda_rows, cuda_problems = compile_cuda(Path(tmp))
             probes, probe_problems = contraction_probes(Path(tmp))
             rows, problems = rows + cuda_rows, problems + cuda_problems + probe_problems
-    text = table(rows)
+    text = report_table(rows)
     if vectors := vector_table(rows):
         text += "\n\n" + vectors
     extra = cuda_tables(rows, probes)

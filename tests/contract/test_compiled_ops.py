@@ -13,7 +13,7 @@ import ampfused
 from ampfused import _compiled, reference
 from ampfused._contract import Batch, Hyper
 import testing_extension
-from test_passes import assert_update_close, make_tensors as _make_tensors
+from test_passes import assert_update_close, make_tensors
 
 _CPU_BACKEND, _CPU_REASON = _compiled.get_backend("cpu")
 pytestmark = pytest.mark.skipif(_CPU_BACKEND is None, reason=f"compiled backend unavailable: {_CPU_REASON}")
@@ -28,15 +28,11 @@ def backend_for(device):
     return backend
 
 
-def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, device, seed=0):
-    return [[None if t is None else t.to(device) for t in lst] for lst in _make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed)]
-
-
 # ------------------------------------------------------------------------- op registration
 
 
 def update_args(device, dtype=torch.bfloat16, amsgrad=True):
-    t = make_tensors((33, 4), dtype, torch.float32, dtype != torch.float32, amsgrad, device, seed=11)
+    t = make_tensors((33, 4), dtype, torch.float32, dtype != torch.float32, amsgrad, seed=11, device=device)
     lr_tensor = torch.tensor(1e-3, device=device)
     none = torch.empty(0, device=device)  # the op's stand-in for None
     vmaxs = [none if x is None else x for x in t[4]]
@@ -167,7 +163,7 @@ def test_extension_registers_no_test_only_op():
 def test_cuda_graph_capture_of_both_passes():
     """Stats + update replayed from a CUDA graph equal eager reference steps (no host sync inside)."""
     backend = backend_for("cuda")
-    tensors = make_tensors((1025, 65537, 3), torch.bfloat16, torch.float32, True, False, "cuda", seed=12)
+    tensors = make_tensors((1025, 65537, 3), torch.bfloat16, torch.float32, True, False, seed=12, device="cuda")
     expected = copy.deepcopy(tensors)
     lr = torch.tensor(1e-3, device="cuda")
     hypers = [Hyper(lr, 0.9, 0.999, 1e-8, 0.01, False, False)] * 3

@@ -69,7 +69,7 @@ def flat_bits(value):
     return [value]
 
 
-def assert_bitwise_equal(got, want, what, keys):
+def assert_keys_bitwise_equal(got, want, what, keys):
     for key in keys:
         for i, (a, b) in enumerate(zip(flat_bits(got[key]), flat_bits(want[key]))):
             if key.startswith("stats-bad"):  # the norm of non-finite grads: a NaN whose payload is the sum order's
@@ -98,7 +98,7 @@ def test_widest_isa_is_dispatched_and_every_variant_is_bitwise_equal(tmp_path):
         forced = run_worker(isa, tmp_path)
         assert forced["isa"] == name
         keys = [k for k in auto if k != "isa" and (name != "default" or not vector_only(k))]
-        assert_bitwise_equal(forced, auto, f"{name} vs {WIDEST}", keys)
+        assert_keys_bitwise_equal(forced, auto, f"{name} vs {WIDEST}", keys)
     # the write-back is torch's own conversion, NaN payloads included (F16C's, which torch uses on x86)
     for dtype in (torch.float16, torch.bfloat16):
         masters, params = auto[f"write-back-{dtype}"]

@@ -39,7 +39,7 @@ def ids(case):
     return f"{str(pd)[6:]}-{str(gd)[6:]}-{'master' if master else 'nomaster'}"
 
 
-def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misalign=False):
+def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misalign=False, device=DEVICE):
     """Lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters) with varied contents."""
     gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(7)]
@@ -60,7 +60,7 @@ def make_tensors(sizes, param_dtype, grad_dtype, master, amsgrad, seed=0, misali
             master_t = param.float() + torch.randn(n, generator=gen) * 1e-3
             param.copy_(master_t.to(param_dtype))
         for lst, t in zip(out, (param, grad, exp_avg, exp_avg_sq, vmax, step, master_t)):
-            lst.append(None if t is None else t.to(DEVICE))
+            lst.append(None if t is None else t.to(device))
     return out
 
 

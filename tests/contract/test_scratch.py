@@ -31,7 +31,7 @@ def run_alone(params, options, scaled, steps, seed, bad_step=None):
     scaler = ampfused.GradScaler(DEVICE.type, init_scale=4096.0) if scaled else None
     for k in range(steps):
         apply_grads(params, grads_of(params, k, seed), k == bad_step)
-        step(opt, scaler)
+        scaled_step(opt, scaler)
     return opt
 
 
@@ -42,7 +42,7 @@ def apply_grads(params, grads, bad):
         params[0].grad.view(-1)[5] = math.inf
 
 
-def step(opt, scaler):
+def scaled_step(opt, scaler):
     if scaler is None:
         opt.step()
     else:
@@ -65,9 +65,9 @@ def test_two_optimizers_of_identical_sizes_step_alternately(backend):
     scaler = ampfused.GradScaler(DEVICE.type, init_scale=4096.0)
     for k in range(steps):
         apply_grads(a_params, grads_of(a_params, k, 1), k == bad_step)
-        step(a, scaler)
+        scaled_step(a, scaler)
         apply_grads(b_params, grads_of(b_params, k, 2), False)
-        step(b, None)
+        scaled_step(b, None)
         assert math.isfinite(float(b.grad_norm)), f"step {k}: b skipped"
         assert math.isfinite(float(a.grad_norm)) == (k != bad_step), f"step {k}: a's skip decision"
     assert_states_close(a_ref, a_ref_params, a, a_params, backend)

@@ -40,16 +40,23 @@ def _entry(rank, world, port, backend, fn, args, timeout):
         dist.destroy_process_group()
 
 
-def device() -> torch.device:
+def rank_device() -> torch.device:
     """This rank's device: its GPU under nccl, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def backends(skip=()) -> list[str]:
+def rank_backends(skip=()) -> list[str]:
     """The ampfused backends that serve this rank's device, minus ``skip``."""
     from helpers import available_backends
 
-    return [b for b in available_backends(device()) if b not in skip]
+    return [b for b in available_backends(rank_device()) if b not in skip]
+
+
+def rank_batch(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` inputs of 6 features and targets of 3 (the width of every model here) on this rank's
+    device, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=g).to(rank_device()), torch.randn(rows, 3, generator=g).to(rank_device())
 
 
 def run(fn, world: int, *args, timeout: float = 150.0, backend: str = "gloo") -> None:

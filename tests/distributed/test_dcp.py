@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ampfused
-from dist_utils import backends, device, requires_gloo, run
+from dist_utils import rank_backends, rank_device, requires_gloo, run
 from helpers import tol
-from test_fsdp2 import make_model, micro_batch
+from test_fsdp2 import shard_batch, sharded_model
 
 pytestmark = requires_gloo
 KINDS = ("ampfused", "torch")
@@ -21,12 +21,12 @@ def make_opt(kind, model):
 
 def kernel_backend():
     """The compiled backend of this rank's device (the Triton interpreter is too slow for 4 CPU ranks)."""
-    return next(b for b in backends() if b != "triton" or device().type == "cuda")
+    return next(b for b in rank_backends() if b != "triton" or rank_device().type == "cuda")
 
 
-def train(model, opt, rank, steps, first=0):
+def train_shards(model, opt, rank, steps, first=0):
     for step in range(first, first + steps):
-        x, y = micro_batch(rank, step, 0)
+        x, y = shard_batch(rank, step, 0)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -56,11 +56,11 @@ def save(model, opt, path):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def load(kind, rank, path):
+def load_checkpoint(kind, rank, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model = make_model()
+    model = sharded_model()
     opt = make_opt(kind, model)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -70,9 +70,9 @@ def load(kind, rank, path):
 
 def _save_worker(rank, world, root):
     for kind in KINDS:
-        model = make_model()
+        model = sharded_model()
         opt = make_opt(kind, model)
-        train(model, opt, rank, 2)
+        train_shards(model, opt, rank, 2)
         expected = full_optim_state(model, opt)
         save(model, opt, f"{root}/{kind}")
         if kind == "ampfused":  # full plain tensors for sharded params: refused, nothing written
@@ -84,7 +84,7 @@ def _save_worker(rank, world, root):
         if rank == 0:
             torch.save(expected, f"{root}/{kind}.expected.pt")
         for into in KINDS:  # same world: bitwise, into either class
-            loaded_model, loaded = load(into, rank, f"{root}/{kind}")
+            loaded_model, loaded = load_checkpoint(into, rank, f"{root}/{kind}")
             assert_state_equal(expected, full_optim_state(loaded_model, loaded), f"{kind} -> {into} on {world} ranks")
             if into == "ampfused":
                 p = next(iter(loaded.state))
@@ -96,9 +96,9 @@ def _load_worker(rank, world, root):
     for kind in KINDS:
         expected = torch.load(f"{root}/{kind}.expected.pt", weights_only=True)
         for into in KINDS:
-            model, opt = load(into, rank, f"{root}/{kind}")
+            model, opt = load_checkpoint(into, rank, f"{root}/{kind}")
             assert_state_equal(expected, full_optim_state(model, opt), f"{kind} (2 ranks) -> {into} ({world} ranks)")
-            train(model, opt, rank, 2, first=2)
+            train_shards(model, opt, rank, 2, first=2)
             trained[(kind, into)] = [p.full_tensor() for p in model.parameters()]
     reference = trained[("torch", "torch")]
     for key, params in trained.items():

@@ -15,18 +15,17 @@ import torch
 import torch.distributed as dist
 
 import ampfused
-from dist_utils import backends, device, requires_gloo, run
-from helpers import tol
+from dist_utils import rank_backends, rank_batch, rank_device, requires_gloo, run
+from helpers import mlp, tol
 
 pytestmark = requires_gloo
 WORLD, MICRO, PER_MICRO, STEPS, CLIP = 2, 2, 3, 4, 0.05
 DDP = torch.nn.parallel.DistributedDataParallel
 
 
-def make_model(dtype=torch.float32, fp32_head=False):
+def replicated_model(dtype=torch.float32, fp32_head=False):
     """fp32_head: the last layer stays fp32, so DDP's own reducer has params left (real DDP buckets)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).to(device=device(), dtype=dtype)
+    model = mlp(6, 12, 3, dtype=dtype, device=rank_device())
     if fp32_head:
         model[2].float()
         model[2].register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
@@ -35,11 +34,10 @@ def make_model(dtype=torch.float32, fp32_head=False):
 
 def micro_batch(step, index):
     """Micro-batch ``index`` of the WORLD * MICRO micro-batches of one step."""
-    g = torch.Generator().manual_seed(100 * step + index)
-    return torch.randn(PER_MICRO, 6, generator=g).to(device()), torch.randn(PER_MICRO, 3, generator=g).to(device())
+    return rank_batch(100 * step + index, PER_MICRO)
 
 
-def loss_of(model, step, index, scale):
+def micro_loss(model, step, index, scale):
     x, y = micro_batch(step, index)
     out = model(x.to(next(model.parameters()).dtype))
     return torch.nn.functional.mse_loss(out.float(), y, reduction="sum") * scale
@@ -52,18 +50,18 @@ def backward_ddp(ddp, rank, step):
         index = rank * MICRO + micro
         if micro < MICRO - 1:
             with ddp.no_sync():
-                loss_of(ddp, step, index, scale).backward()
+                micro_loss(ddp, step, index, scale).backward()
         else:
-            loss_of(ddp, step, index, scale).backward()
+            micro_loss(ddp, step, index, scale).backward()
 
 
 def backward_one_process(model, step):
     for index in range(WORLD * MICRO):
-        loss_of(model, step, index, 1 / (WORLD * MICRO * PER_MICRO)).backward()
+        micro_loss(model, step, index, 1 / (WORLD * MICRO * PER_MICRO)).backward()
 
 
 def check_fp32_ddp(rank, backend):
-    ours, stock = make_model(), make_model()
+    ours, stock = replicated_model(), replicated_model()
     ddp_ours, ddp_stock = DDP(ours), DDP(stock)
     opt = ampfused.FusedAmpAdamW(ours.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
     ref = torch.optim.AdamW(stock.parameters(), lr=1e-2)
@@ -79,7 +77,7 @@ def check_fp32_ddp(rank, backend):
         torch.testing.assert_close(p, q, **tol(backend), msg=f"fp32 DDP {backend}: param {i}")
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[p][key], ref.state[q][key], **tol(backend), msg=f"fp32 DDP {backend}: {key} {i}")
-    single = make_model()
+    single = replicated_model()
     single_opt = ampfused.FusedAmpAdamW(single.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
     for step in range(STEPS):
         backward_one_process(single, step)
@@ -90,7 +88,7 @@ def check_fp32_ddp(rank, backend):
 
 
 def check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head):
-    model = make_model(torch.bfloat16, fp32_head)
+    model = replicated_model(torch.bfloat16, fp32_head)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
     ddp = ampfused.distributed.data_parallel(model, opt, **ddp_kwargs)
     assert isinstance(ddp, DDP) == fp32_head, "DDP keeps the fp32 params; with none left, the reducer-less wrapper"
@@ -98,7 +96,7 @@ def check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head):
     if ddp_kwargs.get("static_graph"):
         # torch's DDP learns a static graph from a synced first backward (no_sync() there trips an internal
         # assert in its reducer, with fp32 params and torch.optim.AdamW alike): one synced backward, discarded
-        loss_of(ddp, 0, rank, 1.0).backward()
+        micro_loss(ddp, 0, rank, 1.0).backward()
         opt.zero_grad()
     for step in range(STEPS):
         backward_ddp(ddp, rank, step)
@@ -111,7 +109,7 @@ def check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head):
         opt.step()
         opt.zero_grad()
     # oracle: one process, the same bf16 micro-batch gradients summed in fp32 (another order)
-    single = make_model(torch.bfloat16, fp32_head)
+    single = replicated_model(torch.bfloat16, fp32_head)
     single_opt = ampfused.FusedAmpAdamW(single.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
     for step in range(STEPS):
         backward_one_process(single, step)
@@ -125,7 +123,7 @@ def check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head):
 def check_zero(rank, backend):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    ours, stock = make_model(), make_model()
+    ours, stock = replicated_model(), replicated_model()
     ddp_ours, ddp_stock = DDP(ours), DDP(stock)
     opt = ZeroRedundancyOptimizer(ours.parameters(), optimizer_class=ampfused.FusedAmpAdamW, lr=1e-2, max_grad_norm=CLIP, backend=backend)
     ref = ZeroRedundancyOptimizer(stock.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
@@ -152,9 +150,9 @@ def check_zero(rank, backend):
     norm = torch.nn.utils.clip_grad_norm_(stock.parameters(), CLIP)
     torch.testing.assert_close(part.grad_norm, norm, **tol(backend), msg="partition_group: the norm must cover every partition")
     with pytest.raises(ValueError, match="fp32_grad_accumulation=False"):
-        ZeroRedundancyOptimizer(make_model(torch.bfloat16).parameters(), optimizer_class=ampfused.FusedAmpAdamW)
+        ZeroRedundancyOptimizer(replicated_model(torch.bfloat16).parameters(), optimizer_class=ampfused.FusedAmpAdamW)
     # one param on two ranks: one partition is empty, and that rank must still join the stats all-reduce
-    lone = DDP(torch.nn.Linear(6, 3, bias=False).to(device()))
+    lone = DDP(torch.nn.Linear(6, 3, bias=False).to(rank_device()))
     opt = ZeroRedundancyOptimizer(lone.parameters(), optimizer_class=ampfused.FusedAmpAdamW, lr=1e-2, max_grad_norm=CLIP, backend=backend)
     for step in range(2):
         x, y = micro_batch(step, rank)
@@ -166,13 +164,13 @@ def check_zero(rank, backend):
     assert torch.equal(gathered[0], gathered[1]), "ZeRO with an empty partition: ranks diverged"
 
 
-def check_refusals():
-    model = make_model(torch.bfloat16)
+def check_ddp_refusals():
+    model = replicated_model(torch.bfloat16)
     opt = ampfused.FusedAmpAdamW(model.parameters())
     with pytest.raises(TypeError, match="bare module"):
-        ampfused.distributed.data_parallel(DDP(make_model()), opt)
+        ampfused.distributed.data_parallel(DDP(replicated_model()), opt)
     with pytest.raises(ValueError, match="not params of this module"):
-        ampfused.distributed.data_parallel(make_model(torch.bfloat16), opt)
+        ampfused.distributed.data_parallel(replicated_model(torch.bfloat16), opt)
     # the plain DDP(model) a tutorial writes: DDP reduces the bf16 gradients itself, with a warning that says what to do
     plain = DDP(model)
     with pytest.warns(UserWarning, match="ampfused.distributed.data_parallel"):
@@ -182,13 +180,13 @@ def check_refusals():
 
 
 def _worker(rank, world, skip=()):
-    for backend in backends(skip):
+    for backend in rank_backends(skip):
         check_fp32_ddp(rank, backend)
         check_bf16_ddp(rank, backend, {}, fp32_head=False)
         for ddp_kwargs in ({}, dict(gradient_as_bucket_view=True), dict(static_graph=True)):
             check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head=True)
         check_zero(rank, backend)
-    check_refusals()
+    check_ddp_refusals()
 
 
 def test_ddp_and_zero_match_torch_and_one_process():

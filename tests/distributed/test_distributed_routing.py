@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ampfused
-from dist_utils import backends, device, requires_gloo, run
+from dist_utils import rank_backends, rank_batch, rank_device, requires_gloo, run
 from helpers import tol
 
 pytestmark = requires_gloo
@@ -40,7 +40,7 @@ class Routed(torch.nn.Module):
         self.inp = torch.nn.Linear(6, 8)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 3) for _ in range(3))
         self.gate = torch.nn.Linear(8, 3) if gate else None
-        self.to(device(), torch.bfloat16)
+        self.to(rank_device(), torch.bfloat16)
         if self.gate is not None:
             self.gate.float()
         if shared_fp32:
@@ -58,14 +58,9 @@ class Routed(torch.nn.Module):
         return z
 
 
-def inputs(step, rank, requires_grad):
-    g = torch.Generator().manual_seed(10 * step + rank)
-    x = torch.randn(4, 6, generator=g).to(device())
-    return x.requires_grad_(requires_grad), torch.randn(4, 3, generator=g).to(device())
-
-
-def loss_of(module, step, rank, requires_grad):
-    x, y = inputs(step, rank, requires_grad)
+def routed_loss(module, step, rank, requires_grad):
+    x, y = rank_batch(10 * step + rank, 4)
+    x.requires_grad_(requires_grad)
     route0, route1, use_gate = SCHEDULE[step]
     return torch.nn.functional.mse_loss(module(x, route1 if rank else route0, use_gate), y)
 
@@ -112,7 +107,7 @@ def check_rank_without_experts(rank, backend):
     for step in range(len(SCHEDULE)):  # the fp32 shared layer keeps DDP's reducer busy on every rank
         what = f"{backend} step {step}"
         for ddp in (ours, stock):
-            loss_of(ddp, step, rank, requires_grad=False).backward()
+            routed_loss(ddp, step, rank, requires_grad=False).backward()
         for i, (p, q) in enumerate(zip(params, twin.parameters())):
             assert (p.grad is None) == (q.grad is None), f"{what}: param {i} grad None must match DDP's"
             if p.grad is not None:
@@ -130,11 +125,11 @@ def check_rank_without_any_gradient(rank, backend, gate):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(len(SCHEDULE)):
-            loss_of(ddp, step, rank, requires_grad=True).backward()
-            loss_of(twin, step, rank, requires_grad=True).backward()  # this rank's own gradients, no collective
+            routed_loss(ddp, step, rank, requires_grad=True).backward()
+            routed_loss(twin, step, rank, requires_grad=True).backward()  # this rank's own gradients, no collective
             for i, (p, q) in enumerate(zip(params, twin.parameters())):
-                local = torch.zeros(p.shape, device=device()) if q.grad is None else q.grad.float()
-                mask = torch.tensor([float(q.grad is not None)], device=device())
+                local = torch.zeros(p.shape, device=rank_device()) if q.grad is None else q.grad.float()
+                mask = torch.tensor([float(q.grad is not None)], device=rank_device())
                 dist.all_reduce(local), dist.all_reduce(mask)
                 if not mask.item():
                     assert p.grad is None, f"{what} step {step}: param {i} unused on every rank must keep grad None"
@@ -150,7 +145,7 @@ def check_rank_without_any_gradient(rank, backend, gate):
 
 
 def _worker(rank, world):
-    for backend in backends():
+    for backend in rank_backends():
         check_rank_without_experts(rank, backend)
         check_rank_without_any_gradient(rank, backend, gate=False)
         check_rank_without_any_gradient(rank, backend, gate=True)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ampfused
-from dist_utils import backends, device, requires_gloo, run
+from dist_utils import rank_backends, rank_batch, rank_device, requires_gloo, run
 from helpers import tol
 
 pytestmark = requires_gloo
@@ -31,7 +31,7 @@ class MoE(torch.nn.Module):
         self.inp = torch.nn.Linear(6, 8)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 3) for _ in range(3))
         self.head = torch.nn.Linear(3, 3)
-        self.to(device(), torch.bfloat16)
+        self.to(rank_device(), torch.bfloat16)
         self.head.float()  # DDP keeps a real reducer under data_parallel
 
     def forward(self, x, route):
@@ -43,9 +43,9 @@ def route_of(rank):
     return [0, 1] if rank == 1 else [0]  # expert 2: nobody
 
 
-def inputs(step, rank):
-    g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(4, 6, generator=g).to(device(), torch.bfloat16), torch.randn(4, 3, generator=g).to(device())
+def bf16_batch(step, rank):
+    x, y = rank_batch(10 * step + rank, 4)
+    return x.to(torch.bfloat16), y
 
 
 def check_unused(rank, backend, static_graph):
@@ -62,7 +62,7 @@ def check_unused(rank, backend, static_graph):
             model.experts[0].requires_grad_(False), twin.experts[0].requires_grad_(False)
             frozen = [p.detach().clone() for p in model.experts[0].parameters()]
             frozen_state = {k: opt.state[model.experts[0].weight][k].clone() for k in ("step", "exp_avg")}
-        x, y = inputs(step, rank)
+        x, y = bf16_batch(step, rank)
         for ddp in (ours, stock):
             torch.nn.functional.mse_loss(ddp(x, route_of(rank)), y).backward()
         for i, (p, q, m) in enumerate(zip(model.parameters(), twin.parameters(), masters)):
@@ -97,7 +97,7 @@ def check_unused(rank, backend, static_graph):
 def make_bf16(frozen=True):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12), torch.nn.Tanh(),
-                                torch.nn.Linear(12, 3)).to(device(), torch.bfloat16)
+                                torch.nn.Linear(12, 3)).to(rank_device(), torch.bfloat16)
     if frozen:
         model[2].requires_grad_(False)
     return model
@@ -115,11 +115,11 @@ def check_plain_ddp(rank, backend, ddp_kwargs):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if ddp_kwargs.get("static_graph"):  # DDP learns a static graph from a synced first backward
-            ddp(inputs(0, rank)[0]).float().sum().backward()
+            ddp(bf16_batch(0, rank)[0]).float().sum().backward()
             opt.zero_grad()
         for step in range(STEPS):
             for micro in range(2):  # the articles' loop: no_sync() on all but the last micro-batch
-                x, y = inputs(100 + step * 2 + micro, rank)
+                x, y = bf16_batch(100 + step * 2 + micro, rank)
                 if micro == 0:
                     with ddp.no_sync():
                         torch.nn.functional.mse_loss(ddp(x).float(), y).backward()
@@ -144,7 +144,7 @@ def check_plain_ddp(rank, backend, ddp_kwargs):
 
 
 def _worker(rank, world):
-    for backend in backends():
+    for backend in rank_backends():
         check_unused(rank, backend, static_graph=False)
         check_unused(rank, backend, static_graph=True)
         for ddp_kwargs in ({}, dict(gradient_as_bucket_view=True), dict(static_graph=True)):

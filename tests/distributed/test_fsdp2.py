@@ -9,19 +9,18 @@ import pytest
 import torch
 
 import ampfused
-from dist_utils import backends, device, requires_gloo, run
-from helpers import tol
+from dist_utils import rank_backends, rank_batch, rank_device, requires_gloo, run
+from helpers import mlp, tol
 
 pytestmark = requires_gloo
 STEPS, MICRO, BATCH, CLIP = 3, 2, 4, 0.05  # the small clip makes every step clip
 
 
-def make_model(mp_policy=None):
+def sharded_model(mp_policy=None):
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)  # same init on every rank, as FSDP2 expects
-    # 7 and 5 rows: uneven shards on 2 and 4 ranks, an empty one on 4
-    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device())
+    # the same init on every rank, as FSDP2 expects; 7 and 5 rows: uneven shards on 2 and 4 ranks, an empty one on 4
+    model = mlp(6, 7, 5, 3, device=rank_device())
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in (model[0], model[2]):
         fully_shard(layer, **kwargs)
@@ -29,16 +28,15 @@ def make_model(mp_policy=None):
     return model
 
 
-def micro_batch(rank, step, micro):
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randn(BATCH, 6, generator=g).to(device()), torch.randn(BATCH, 3, generator=g).to(device())
+def shard_batch(rank, step, micro):
+    return rank_batch(1000 * step + 10 * micro + rank, BATCH)
 
 
 def train_step(model, rank, step, accumulate):
     micros = MICRO if accumulate else 1
     for micro in range(micros):
         model.set_requires_gradient_sync(micro == micros - 1)
-        x, y = micro_batch(rank, step, micro)
+        x, y = shard_batch(rank, step, micro)
         torch.nn.functional.mse_loss(model(x).float(), y).backward()
 
 
@@ -51,7 +49,7 @@ def full(t):
 
 
 def compare_to_torch(rank, backend, mp_policy, accumulate):
-    ours, stock = make_model(mp_policy), make_model(mp_policy)
+    ours, stock = sharded_model(mp_policy), sharded_model(mp_policy)
     opt = ampfused.FusedAmpAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=CLIP, backend=backend)
     ref = torch.optim.AdamW(stock.parameters(), lr=1e-2, weight_decay=0.1)
     what = f"backend={backend} mp={mp_policy is not None} accumulate={accumulate} rank={rank}"
@@ -75,11 +73,11 @@ def compare_to_torch(rank, backend, mp_policy, accumulate):
 
 def check_skip_on_every_rank(rank, world, backend):
     """inf in one shard of the last rank only: every rank skips, bitwise; the scaler backs off everywhere."""
-    model = make_model()
+    model = sharded_model()
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
-    scaler = ampfused.GradScaler(device().type, init_scale=1024.0)
+    scaler = ampfused.GradScaler(rank_device().type, init_scale=1024.0)
     for step in range(2):
-        x, y = micro_batch(rank, step, 0)
+        x, y = shard_batch(rank, step, 0)
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         if step == 1:
             before = [local(p).clone() for p in model.parameters()] + [local(opt.state[p][k]).clone() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq", "step")]
@@ -96,9 +94,9 @@ def check_skip_on_every_rank(rank, world, backend):
     assert scaler.skipped_steps == 1
 
 
-def check_refusals(rank):
-    model = make_model()
-    plain = torch.nn.Parameter(torch.zeros(3, device=device()))
+def check_mixed_params_refused(rank):
+    model = sharded_model()
+    plain = torch.nn.Parameter(torch.zeros(3, device=rank_device()))
     with pytest.raises(ValueError, match="DTensors and the others plain tensors"):
         ampfused.FusedAmpAdamW([*model.parameters(), plain])
     opt = ampfused.FusedAmpAdamW(model.parameters())
@@ -109,14 +107,14 @@ def check_refusals(rank):
 
 def check_functional(rank, backend):
     """ampfused.functional.fused_amp_adamw on DTensor lists: local passes, global norm."""
-    model = make_model()
-    x, y = micro_batch(rank, 0, 0)
+    model = sharded_model()
+    x, y = shard_batch(rank, 0, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     params = list(model.parameters())
     grads = [p.grad for p in params]
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(full(g)) for g in grads]))
     states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
-    steps = [torch.zeros((), device=device()) for _ in params]
+    steps = [torch.zeros((), device=rank_device()) for _ in params]
     norm, skipped = ampfused.functional.fused_amp_adamw(
         params, grads, *states, [None] * len(params), steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
         weight_decay=0.0, max_grad_norm=CLIP, backend=backend)
@@ -128,13 +126,13 @@ def _worker(rank, world, skip=()):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for backend in backends(skip):
+    for backend in rank_backends(skip):
         for mp_policy in (None, bf16):
             for accumulate in (False, True):
                 compare_to_torch(rank, backend, mp_policy, accumulate)
         check_skip_on_every_rank(rank, world, backend)
         check_functional(rank, backend)
-    check_refusals(rank)
+    check_mixed_params_refused(rank)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -8,16 +8,12 @@ import pytest
 import torch
 
 import ampfused
-from helpers import assert_bitwise_equal, make_params, random_grads, snapshot
+from helpers import assert_bitwise_equal, make_params, param, random_grads, snapshot
 
 SHAPES = [(6, 4), (5,)]
 
 
 # ---------------------------------------------------------------- at construction, and plain gradients
-def param(*shape, dtype=torch.float32):
-    return torch.nn.Parameter(torch.randn(*shape).to(dtype))
-
-
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lr=-1.0), "lr"), (dict(eps=-1e-8), "eps"), (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
     (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=(0.9,)), "betas"), (dict(weight_decay=-0.1), "weight_decay"),

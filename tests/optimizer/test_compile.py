@@ -13,14 +13,14 @@ import ampfused
 COMPILE_BACKEND = "aot_eager"
 
 
-def make(dtype):
+def small_model(dtype):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
 
 
-def run(dtype, backend, compile_model=False, compile_step=False, compiler=COMPILE_BACKEND, steps=3):
+def train_compiled(dtype, backend, compile_model=False, compile_step=False, compiler=COMPILE_BACKEND, steps=3):
     torch._dynamo.reset()
-    model = make(dtype)
+    model = small_model(dtype)
     forward = torch.compile(model, backend=compiler) if compile_model else model
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0, backend=backend)
     scaler = ampfused.GradScaler("cpu", init_scale=2.0**4)
@@ -42,8 +42,8 @@ def run(dtype, backend, compile_model=False, compile_step=False, compiler=COMPIL
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_model_trains_like_eager(backend, dtype):
-    eager, eager_opt = run(dtype, backend)
-    compiled, opt = run(dtype, backend, compile_model=True)
+    eager, eager_opt = train_compiled(dtype, backend)
+    compiled, opt = train_compiled(dtype, backend, compile_model=True)
     for p, q in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
         assert opt.state[q]["step"].item() == 3
@@ -52,8 +52,8 @@ def test_compiled_model_trains_like_eager(backend, dtype):
 
 
 def test_compiled_optimizer_step_matches_eager(backend):
-    eager, _ = run(torch.float32, backend)
-    compiled, opt = run(torch.float32, backend, compile_step=True)
+    eager, _ = train_compiled(torch.float32, backend)
+    compiled, opt = train_compiled(torch.float32, backend, compile_step=True)
     for p, q in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(opt.grad_norm)

@@ -24,12 +24,12 @@ def model_of(dtype, device, seed=0):
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(device=device, dtype=dtype)
 
 
-def micro_batch(i, dtype, device):
+def micro_input(i, dtype, device):
     g = torch.Generator().manual_seed(1000 + i)
     return torch.randn(8, 6, generator=g).to(device=device, dtype=dtype)
 
 
-def loss_of(model, x):
+def square_loss(model, x):
     return model(x).float().pow(2).mean()
 
 
@@ -42,7 +42,7 @@ class Fp32MasterOracle:
         self.opt = torch.optim.AdamW(self.masters, lr=LR)
 
     def backward(self, x, scale=1.0):
-        (loss_of(self.model, x) * scale).backward()
+        (square_loss(self.model, x) * scale).backward()
         for p, m in zip(self.model.parameters(), self.masters):
             m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
             p.grad = None
@@ -78,8 +78,8 @@ def test_grad_accumulation_with_the_users_own_clip(backend, device, dtype, clear
     oracle = Fp32MasterOracle(dtype, device)
     for step in range(3):
         for k in range(3):
-            x = micro_batch(step * 3 + k, dtype, device)
-            loss_of(model, x).backward()
+            x = micro_input(step * 3 + k, dtype, device)
+            square_loss(model, x).backward()
             oracle.backward(x)
             for p, m in zip(model.parameters(), oracle.masters):
                 assert p.grad.dtype == torch.float32 and p.grad is p.main_grad
@@ -112,8 +112,8 @@ def test_fp16_with_torch_grad_scaler_unscale_and_clip(backend, device):
     oracle_scale = 2.0**10
     for step in range(4):
         for k in range(2):
-            x = micro_batch(step * 2 + k, dtype, device)
-            scaler.scale(loss_of(model, x)).backward()
+            x = micro_input(step * 2 + k, dtype, device)
+            scaler.scale(square_loss(model, x)).backward()
             oracle.backward(x, scale=oracle_scale)
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -131,7 +131,7 @@ def test_both_scalers_skip_an_overflow_and_back_off_alike(backend, device, scale
     model = model_of(torch.float16, device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR, backend=backend)
     scaler = scaler_class(device.type, init_scale=2.0**10)
-    scaler.scale(loss_of(model, micro_batch(0, torch.float16, device))).backward()
+    scaler.scale(square_loss(model, micro_input(0, torch.float16, device))).backward()
     model[0].weight.grad[0, 0] = math.inf  # the fp32 accumulated gradient overflowed
     weights = [p.detach().clone() for p in model.parameters()]
     scaler.step(opt)
@@ -149,7 +149,7 @@ def test_bf16_users_clip_and_the_max_grad_norm_fast_path_agree(backend, device):
         opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR, backend=backend, max_grad_norm=0.05 if fused_clip else None)
         run_norms = []
         for step in range(3):
-            loss_of(model, micro_batch(step, torch.bfloat16, device)).backward()
+            square_loss(model, micro_input(step, torch.bfloat16, device)).backward()
             if not fused_clip:
                 run_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
             opt.step()
@@ -171,7 +171,7 @@ def test_hooks_and_logging_see_the_fp32_gradient(backend, device):
     for p in model.parameters():  # registered after the optimizer, as a user's logging hook would be
         p.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.dtype, p.grad is p.main_grad)))
     for k in range(2):
-        loss_of(model, micro_batch(k, torch.bfloat16, device)).backward()
+        square_loss(model, micro_input(k, torch.bfloat16, device)).backward()
     assert len(seen) == 2 * len(list(model.parameters())), "a user's hook runs on every micro-batch"
     assert all(s == (torch.float32, True) for s in seen)
     grad_norms = {name: p.grad.norm().item() for name, p in model.named_parameters()}
@@ -215,9 +215,9 @@ def test_user_tensor_hooks_and_create_graph_feed_the_fp32_sum(device):
         p.register_hook(lambda g: g * 2)
     sums = [torch.zeros(p.shape, device=device) for p in oracle.parameters()]
     for k in range(3):
-        x = micro_batch(k, torch.bfloat16, device)
-        loss_of(model, x).backward(create_graph=(k == 2))
-        loss_of(oracle, x).backward()
+        x = micro_input(k, torch.bfloat16, device)
+        square_loss(model, x).backward(create_graph=(k == 2))
+        square_loss(oracle, x).backward()
         for total, p in zip(sums, oracle.parameters()):
             total += p.grad.float()
             p.grad = None
@@ -278,7 +278,7 @@ def test_channels_last_params_train_like_torch(backend, device):
 def test_copies_of_the_optimizer_train(backend, device, how):
     model = model_of(torch.bfloat16, device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=LR, backend=backend, max_grad_norm=1.0)
-    loss_of(model, micro_batch(0, torch.bfloat16, device)).backward()
+    square_loss(model, micro_input(0, torch.bfloat16, device)).backward()
     opt.step()
     opt.zero_grad()
     if how == "deepcopy":
@@ -291,7 +291,7 @@ def test_copies_of_the_optimizer_train(backend, device, how):
     assert opt2.param_groups[0]["params"][0] is model2[0].weight
     for m, o in ((model, opt), (model2, opt2)):
         for k in range(2):
-            loss_of(m, micro_batch(1 + k, torch.bfloat16, device)).backward()
+            square_loss(m, micro_input(1 + k, torch.bfloat16, device)).backward()
         assert all(p.grad is p.main_grad and p.grad.dtype == torch.float32 for p in m.parameters())
         o.step()
     for p, q in zip(model.parameters(), model2.parameters()):

@@ -3,21 +3,19 @@ import pytest
 import torch
 
 import ampfused
-from helpers import tol
+from helpers import mlp, tol
 
 MICRO_BATCHES = 4
 STEPS = 6
 
 
-def make_model(dtype, device):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 7)).to(device=device, dtype=dtype)
+WIDTHS = (24, 40, 7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_accumulated_master_training_matches_fp32_reference(backend, device, dtype):
     """N micro-batches + one step == AdamW on fp32 masters with the same grads summed in fp32."""
-    model = make_model(dtype, device)
+    model = mlp(*WIDTHS, activation=torch.nn.GELU, dtype=dtype, device=device)
     params = list(model.parameters())
     captured = {p: [] for p in params}
     for p in params:  # a tensor hook sees each fresh low-precision grad before it is accumulated
@@ -54,7 +52,7 @@ def test_accumulated_master_training_matches_fp32_reference(backend, device, dty
 
 
 def test_main_grad_is_a_view_of_flat_storage(device):
-    model = make_model(torch.bfloat16, device)
+    model = mlp(*WIDTHS, activation=torch.nn.GELU, dtype=torch.bfloat16, device=device)
     opt = ampfused.FusedAmpAdamW(model.parameters())
     storages = {p.main_grad.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(storages) == 1 and all(p.main_grad.dtype == torch.float32 for p in model.parameters())
@@ -63,7 +61,7 @@ def test_main_grad_is_a_view_of_flat_storage(device):
 
 
 def test_flags_off_read_low_precision_grads_directly(backend, device):
-    model = make_model(torch.bfloat16, device)
+    model = mlp(*WIDTHS, activation=torch.nn.GELU, dtype=torch.bfloat16, device=device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend, fp32_grad_accumulation=False)
     model(torch.randn(3, 24, device=device, dtype=torch.bfloat16)).float().sum().backward()
     assert all(p.grad is not None and not hasattr(p, "main_grad") for p in model.parameters())

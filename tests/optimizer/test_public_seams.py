@@ -14,7 +14,7 @@ def bf16_model(device):
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(device, torch.bfloat16)
 
 
-def backward(model, device, poison=False):
+def bf16_backward(model, device, poison=False):
     loss = model(torch.randn(4, 8, device=device, dtype=torch.bfloat16)).float().square().sum()
     loss.backward()
     if poison:
@@ -25,12 +25,12 @@ def test_step_skipped_is_the_last_steps_device_flag(backend, device):
     model = bf16_model(device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
     assert opt.step_skipped is None
-    backward(model, device)
+    bf16_backward(model, device)
     opt.step()
     assert opt.step_skipped.device.type == torch.device(device).type and opt.step_skipped.item() == 0.0
     opt.zero_grad()
     before = [p.detach().clone() for p in model.parameters()]
-    backward(model, device, poison=True)
+    bf16_backward(model, device, poison=True)
     opt.step()
     assert opt.step_skipped.item() == 1.0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "a skipped step changes nothing"
@@ -39,7 +39,7 @@ def test_step_skipped_is_the_last_steps_device_flag(backend, device):
 def test_unscale_grads_scales_what_the_step_reads_and_flags_inf(backend, device):
     model = bf16_model(device)
     opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend)
-    backward(model, device)
+    bf16_backward(model, device)
     grads = [p.grad.clone() for p in model.parameters()]
     found_inf = torch.zeros(1, device=device)
     opt.unscale_grads_(torch.full((1,), 0.25, device=device), found_inf)
@@ -56,7 +56,7 @@ def test_main_grads_is_the_fp32_storage_p_grad_points_into(device):
     opt = ampfused.FusedAmpAdamW(model.parameters())
     storage = opt.main_grads
     assert [id(p) for p in storage.params] == [id(p) for p in model.parameters()]
-    backward(model, device)
+    bf16_backward(model, device)
     for p, view in zip(storage.params, storage.flat.views):
         assert p.grad is view and view.dtype == torch.float32
         assert view.untyped_storage().data_ptr() == storage.flat.data.untyped_storage().data_ptr()

@@ -17,7 +17,7 @@ from helpers import assert_states_close, clone_params, make_params, random_grads
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
 
 
-class Net(torch.nn.Module):
+class BranchedNet(torch.nn.Module):
     """Embedding, an optional branch (unused on most steps), LayerNorm, and a frozen head."""
 
     def __init__(self):
@@ -39,8 +39,8 @@ class Net(torch.nn.Module):
 
 def twin_nets(device, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    a = Net().to(device=device, dtype=dtype)
-    b = Net().to(device=device, dtype=dtype)
+    a = BranchedNet().to(device=device, dtype=dtype)
+    b = BranchedNet().to(device=device, dtype=dtype)
     b.load_state_dict(a.state_dict())
     return a, b
 
@@ -50,7 +50,7 @@ def data(step, device):
     return torch.randint(0, 10, (4, 5), generator=g).to(device), torch.randn(4, 3, generator=g).to(device)
 
 
-def loss_of(model, step, device, use_branch=False):
+def net_loss(model, step, device, use_branch=False):
     x, y = data(step, device)
     return ((model(x, use_branch=use_branch).float() - y) ** 2).mean()
 
@@ -214,7 +214,7 @@ def test_unused_frozen_and_no_decay_groups_with_schedulers_match_torch(backend, 
             for o, m in ((ref, ref_model), (opt, model)):
                 o.add_param_group({"params": list(m.branch.parameters()), "lr": 0.003, "weight_decay": 0.3})
         for o, m, s in ((ref, ref_model, schedulers[0]), (opt, model, schedulers[1])):
-            loss_of(m, step, device, use_branch=by_hand and step >= 4 and step % 2 == 0).backward()
+            net_loss(m, step, device, use_branch=by_hand and step >= 4 and step % 2 == 0).backward()
             o.step()
             o.zero_grad(set_to_none=step % 2 == 0)
             if s is not None:
@@ -232,7 +232,7 @@ def test_unused_frozen_and_no_decay_groups_with_schedulers_match_torch(backend, 
 def test_resume_mid_training_through_torch_save_matches_an_uninterrupted_torch_run(backend, device, route, amsgrad):
     def train(m, o, steps):
         for step in steps:
-            loss_of(m, step, device, use_branch=step % 2 == 0).backward()
+            net_loss(m, step, device, use_branch=step % 2 == 0).backward()
             o.step()
             o.zero_grad()
 
@@ -263,19 +263,19 @@ def test_failed_load_of_a_state_dict_from_before_add_param_group_changes_nothing
         kwargs = {"backend": backend} if cls is ampfused.FusedAmpAdamW else {}
         o = cls([p for n, p in m.named_parameters() if "branch" not in n], lr=1e-2, **kwargs)
         for step in range(2):
-            loss_of(m, step, device).backward()
+            net_loss(m, step, device).backward()
             o.step()
             o.zero_grad()
         old = copy.deepcopy(o.state_dict())
         o.add_param_group({"params": list(m.branch.parameters()), "lr": 3e-3})
         for step in range(2, 4):
-            loss_of(m, step, device, use_branch=True).backward()
+            net_loss(m, step, device, use_branch=True).backward()
             o.step()
             o.zero_grad()
         with pytest.raises(ValueError, match="different number of parameter groups"):
             o.load_state_dict(old)
         for step in range(4, 6):
-            loss_of(m, step, device, use_branch=True).backward()
+            net_loss(m, step, device, use_branch=True).backward()
             o.step()
             o.zero_grad()
         opts.append(o)
@@ -295,12 +295,12 @@ def test_closure_and_zero_grad_loops_match_torch(backend, device, loop, options)
             if loop == "closure":
                 def closure(o=o, m=m):
                     o.zero_grad()
-                    loss = loss_of(m, step, device)
+                    loss = net_loss(m, step, device)
                     loss.backward()
                     return loss
                 losses[id(o)].append(o.step(closure).item())
             else:
-                loss_of(m, step, device, use_branch=step == 0).backward()
+                net_loss(m, step, device, use_branch=step == 0).backward()
                 o.step()
                 o.zero_grad(set_to_none=False)
     assert losses[id(ref)] == pytest.approx(losses[id(opt)], rel=tol(backend)["rtol"] * 10)
@@ -324,8 +324,8 @@ def test_bf16_unused_branch_users_clip_and_accumulation_match_the_fp32_master_re
     for step in range(4):
         for k in range(3):
             use_branch = (step + k) % 4 == 1
-            loss_of(model, step * 3 + k, device, use_branch).backward()
-            loss_of(ref_model, step * 3 + k, device, use_branch).backward()
+            net_loss(model, step * 3 + k, device, use_branch).backward()
+            net_loss(ref_model, step * 3 + k, device, use_branch).backward()
             for (_, p), m in zip(named, masters):
                 if p.grad is not None:
                     m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()

@@ -9,10 +9,7 @@ import torch
 
 import ampfused
 from ampfused import _backends
-
-
-def param(*shape):
-    return torch.nn.Parameter(torch.randn(*shape))
+from helpers import param
 
 
 def fake_probes(monkeypatch, **reasons):

@@ -20,7 +20,7 @@ SOURCE_ROOT = str(Path(ampfused.__file__).resolve().parents[1])  # the tree this
 ROW = re.compile(r"^(\w+)\s+(cpu|cuda)\s+(\S+)\s+(pass|FAIL)\s+(\S+)\s+([\d.]+)s$")
 
 
-def table(out):
+def check_table(out):
     """(backend, device, case, result) of every row of the printed table."""
     return [m.groups()[:4] for m in map(ROW.match, out.splitlines()) if m]
 
@@ -40,7 +40,7 @@ def test_passes_on_every_available_backend_from_a_shell(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ampfused", "check"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = table(proc.stdout)
+    rows = check_table(proc.stdout)
     assert {(b, d, c) for b, d, c, _ in rows} == expected_rows(), proc.stdout
     assert all(result == "pass" for *_, result in rows), proc.stdout
     assert f"all {len(rows)} passed" in proc.stdout.splitlines()[-1]
@@ -49,7 +49,7 @@ def test_passes_on_every_available_backend_from_a_shell(tmp_path):
 def test_passes_in_process_on_the_reference(capsys):
     assert check.main(["--backend", "reference"]) == 0
     out = capsys.readouterr().out
-    assert {c for _, _, c, r in table(out) if r == "pass"} == {c.name for c in check.CASES if not c.graph}
+    assert {c for _, _, c, r in check_table(out) if r == "pass"} == {c.name for c in check.CASES if not c.graph}
 
 
 # ------------------------------------------------------------------ the check can fail
@@ -97,7 +97,7 @@ def test_a_broken_backend_fails_naming_the_case_and_the_element(monkeypatch, cap
     monkeypatch.setattr(ampfused.scaler, "_scaler_passes", {})  # the scaler finds its pass anew (the fake's)
     assert check.main(["--backend", "cpu", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
-    assert ("cpu", "cpu", case, "FAIL") in table(out), out
+    assert ("cpu", "cpu", case, "FAIL") in check_table(out), out
     lines = [line for line in out.splitlines() if line.startswith(f"FAILED cpu/{case}: ")]
     assert lines and lines[0].startswith(f"FAILED cpu/{case}: {failure}"), out
     assert re.search(r"got \S+, expected \S+", lines[0]), lines[0]

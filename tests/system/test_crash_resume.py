@@ -18,7 +18,7 @@ STEPS = 14
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 
 
-def run(directory, *extra, kill_after=None):
+def run_trainer(directory, *extra, kill_after=None):
     """Run the worker; with kill_after=N, SIGKILL it as soon as it reports step N."""
     proc = subprocess.Popen([sys.executable, WORKER, str(directory), str(STEPS), *extra]
                             + (["--slow-after", str(kill_after)] if kill_after else []),
@@ -74,7 +74,7 @@ def test_sigkill_in_save_and_mid_run_then_resume_is_bitwise_identical(tmp_path):
     run_in_process(clean)
 
     # 1. killed inside the third save: the data is in a temp file that never got its final name
-    rc, out, err = run(crashed, "--die-in-save", "3")
+    rc, out, err = run_trainer(crashed, "--die-in-save", "3")
     assert rc == -signal.SIGKILL, err
     names = sorted(os.listdir(crashed / "ckpt"))
     assert [n for n in names if n.endswith(".pt")] == ["step0003.pt", "step0006.pt"], names
@@ -88,13 +88,13 @@ def test_sigkill_in_save_and_mid_run_then_resume_is_bitwise_identical(tmp_path):
     assert ckpt.latest(crashed / "ckpt").endswith("step0006.pt")
 
     # 2. resumed, then killed mid-run after step 11 (the checkpoint of step 9 replaced the bad file)
-    rc, out, err = run(crashed, "--resume", kill_after=11)
+    rc, out, err = run_trainer(crashed, "--resume", kill_after=11)
     assert rc == -signal.SIGKILL, err
     assert "resumed step0006.pt" in out
     assert not (crashed / "final.pt").exists()
 
     # 3. resumed again: runs to the end, bitwise equal to the run that was never interrupted
-    rc, out, err = run(crashed, "--resume")
+    rc, out, err = run_trainer(crashed, "--resume")
     assert rc == 0, err
     assert "resumed step0009.pt" in out
     assert_bitwise_same_run(clean / "final.pt", crashed / "final.pt")
