@@ -37,7 +37,7 @@ def load_study(name):
 summary = load_study("summary")
 
 
-def run(args, cwd, timeout=300):
+def run_bench(args, cwd, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -49,7 +49,7 @@ def read_rows(path):
 
 def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     out = tmp_path / "results"
-    proc = run(["-m", "ampfused", "bench", "--quick", "--out", str(out)], cwd=tmp_path)
+    proc = run_bench(["-m", "ampfused", "bench", "--quick", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness gate: PASSED" in proc.stdout
     for name in ("bench.csv", "bench.md", "run.json", "size_sweep.png", "configs_speedup.png", "tensors_sweep.png",
@@ -108,7 +108,7 @@ sys.exit(bench.main(sys.argv[1:]))
 
 def test_bench_gate_rejects_a_wrong_kernel(tmp_path):
     out = tmp_path / "results"
-    proc = run(["-c", WRONG_KERNEL, "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+    proc = run_bench(["-c", WRONG_KERNEL, "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
                 "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness gate: FAILED" in proc.stdout
@@ -122,7 +122,7 @@ def test_bench_gate_rejects_a_wrong_kernel(tmp_path):
 def test_bench_train_tiny_run_passes_parity(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "train"
-    proc = run([str(BENCHMARKS / "bench_train.py"), "--tiny", "--out", str(out)], cwd=tmp_path)
+    proc = run_bench([str(BENCHMARKS / "bench_train.py"), "--tiny", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity: PASS" in proc.stdout
     for name in ("train.csv", "train.md", "summary.md", "loss_curves.png"):
@@ -222,7 +222,7 @@ def test_unstable_rows_are_marked_in_table_csv_and_summary(tmp_path):
 def test_strict_fails_the_run_on_unstable_timings(tmp_path):
     args = ["-m", "ampfused", "bench", "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
             "--max-spread", "1e-9"]  # no real timing is that steady
-    proc = run([*args, "--out", str(tmp_path / "a"), "--strict"], cwd=tmp_path)
+    proc = run_bench([*args, "--out", str(tmp_path / "a"), "--strict"], cwd=tmp_path)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     # torch x2, ampfused, ampfused+keep_scaled_grads
     assert "--strict: 4 unstable timings" in proc.stderr and "correctness gate: PASSED" in proc.stdout
@@ -245,7 +245,7 @@ sys.exit(bench.main(sys.argv[1:]))
 
 def test_bench_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
     out = tmp_path / "results"
-    proc = run(["-c", WITHOUT_BENCH_EXTRA, "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+    proc = run_bench(["-c", WITHOUT_BENCH_EXTRA, "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
                 "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "bench.csv").stat().st_size > 0 and "| torch-fused |" in (out / "bench.md").read_text()
@@ -258,7 +258,7 @@ def test_bench_train_without_matplotlib_still_writes_csv_and_markdown(tmp_path):
     out = tmp_path / "train"
     code = WITHOUT_BENCH_EXTRA.replace("from ampfused.bench import bench",
                                        f"sys.path.insert(0, {str(BENCHMARKS)!r})\nimport bench_train as bench")
-    proc = run(["-c", code, "--tiny", "--steps", "12", "--out", str(out)], cwd=tmp_path)
+    proc = run_bench(["-c", code, "--tiny", "--steps", "12", "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "train.csv").exists() and (out / "train.md").exists() and not (out / "loss_curves.png").exists()
     assert '`pip install "ampfused[bench]"` for loss_curves.png' in proc.stderr
@@ -363,7 +363,7 @@ def test_threads_follow_the_free_cores(monkeypatch, requested, other, threads, t
 
 def test_bench_header_names_the_threads_and_the_load(tmp_path):
     out = tmp_path / "r"
-    proc = run(["-m", "ampfused", "bench", "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
+    proc = run_bench(["-m", "ampfused", "bench", "--quick", "--sweeps", "size", "--sizes", "64K", "--backends", "reference",
                 "--out", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("threads: "))

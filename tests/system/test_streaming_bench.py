@@ -13,7 +13,7 @@ from ampfused import _compiled
 pytestmark = pytest.mark.skipif(_compiled.load()[0] is None, reason="ampfused._C is not built (no compiled CPU passes)")
 
 
-def run(args, cwd):
+def run_script(args, cwd):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
@@ -25,7 +25,7 @@ def rows(path):
 def test_streaming_reports_passes_and_steps(tmp_path):
     out = tmp_path / "s"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "streaming.py"
-    proc = run([str(script), "--size", "64K", "--threads", "1", "--rounds", "3",
+    proc = run_script([str(script), "--size", "64K", "--threads", "1", "--rounds", "3",
                 "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = rows(out / "streaming.csv")
@@ -47,7 +47,7 @@ def test_streaming_reports_passes_and_steps(tmp_path):
 
 def test_bench_passes_sweep_writes_its_table(tmp_path):
     out = tmp_path / "b"
-    proc = run(["-m", "ampfused", "bench", "--quick", "--sweeps", "passes", "--backends", "cpu", "--out", str(out)],
+    proc = run_script(["-m", "ampfused", "bench", "--quick", "--sweeps", "passes", "--backends", "cpu", "--out", str(out)],
                tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stats: read g (fp32)" in proc.stdout  # the per-pass table is printed
