@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ampfused
 from dist_utils import rank_backends, rank_batch, rank_device, requires_gloo, run
-from helpers import tol
+from helpers import mlp, tol
 
 pytestmark = requires_gloo
 WORLD, STEPS, FREEZE_AT = 2, 4, 2
@@ -95,9 +95,7 @@ def check_unused(rank, backend, static_graph):
 
 
 def make_bf16(frozen=True):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12), torch.nn.Tanh(),
-                                torch.nn.Linear(12, 3)).to(rank_device(), torch.bfloat16)
+    model = mlp(6, 12, 12, 3, dtype=torch.bfloat16, device=rank_device())
     if frozen:
         model[2].requires_grad_(False)
     return model

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import ampfused
+from helpers import mlp
 
 COMPILE_BACKEND = "aot_eager"
 
 
 def small_model(dtype):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(dtype)
+    return mlp(8, 16, 4, activation=torch.nn.GELU, dtype=dtype)
 
 
 def train_compiled(dtype, backend, compile_model=False, compile_step=False, compiler=COMPILE_BACKEND, steps=3):

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 import ampfused
-from helpers import tol
+from helpers import mlp, tol
 
 
 def lp_model(device, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3)).to(device=device, dtype=torch.bfloat16)
+    return mlp(6, 9, 3, dtype=torch.bfloat16, device=device, seed=seed)
 
 
 def batch(step, device):

@@ -14,14 +14,13 @@ import torch
 
 import ampfused
 from ampfused import _compiled
-from helpers import tol
+from helpers import mlp, tol
 
 LR = 1e-2
 
 
 def model_of(dtype, device, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(device=device, dtype=dtype)
+    return mlp(6, 16, 3, dtype=dtype, device=device, seed=seed)
 
 
 def micro_input(i, dtype, device):

@@ -12,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler
 
 import ampfused
-from helpers import assert_states_close, clone_params, make_params, random_grads, tol
+from helpers import assert_states_close, clone_params, make_params, mlp, random_grads, tol
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
 
@@ -113,8 +113,7 @@ def test_a_low_precision_param_unfrozen_after_construction_accumulates_in_fp32(b
     """Gradual unfreezing: build the optimizer over the whole model with the backbone frozen, unfreeze it
     later. DESIGN §3: p.grad of a bf16 param must be the fp32, in-order sum of the micro-batches; a param
     frozen when the optimizer was built gets no accumulation hook and keeps bf16 gradients forever."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device=device, dtype=torch.bfloat16)
+    model = mlp(6, 5, 3, dtype=torch.bfloat16, device=device)
     model[0].requires_grad_(False)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
     xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(k)).to(device=device, dtype=torch.bfloat16) for k in range(4)]
