@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_compiled_model_trains_like_eager(dtype):
-    eager, _ = base.run(dtype, None)
-    compiled, _ = base.run(dtype, None, compile_model=True, compiler="inductor")
+    eager, _ = base.train_compiled(dtype, None)
+    compiled, _ = base.train_compiled(dtype, None, compile_model=True, compiler="inductor")
     for p, q in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
