@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import cli, configs, measure, passes, providers, report
+from . import cli, configs, measure, providers, report
 from .environment import Load, environment, pick_threads
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
@@ -214,20 +214,6 @@ def host_only(active: bool):
     return kernels.host_only()
 
 
-def run_passes(plan_name: str, device: torch.device, backends: list[str], budget, env: dict) -> list[dict]:
-    """The ``passes`` sweep: the compiled backend's passes alone (passes.pass_rows), when it is here."""
-    if device.type not in backends:
-        print(f"passes sweep: skipped (the compiled {device.type} backend is not available)")
-        return []
-    progress = cli.Progress(budget.rounds, unit="round")
-    progress.describe(f"passes {configs.human(configs.PASSES_NUMEL[plan_name])}")
-    try:
-        return passes.pass_rows(configs.PASSES_NUMEL[plan_name], configs.PASSES_TENSORS, device, budget, env,
-                                backend_name=device.type, on_round=progress.update)
-    finally:
-        progress.close()
-
-
 def warm_up(names, device) -> None:
     """One untimed step of every provider on a tiny case: lazy initialisation stays out of the first row."""
     for config in (configs.FP32_CLIP, configs.BF16_X4_CLIP):
@@ -317,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_case(case, case_providers(case, names, device), device, args, budget, env, progress, untimed)
     finally:
         progress.close()
-    pass_rows = run_passes(plan_name, device, backends, budget, env) if "passes" in args.sweeps else []
     other = load.stop()
     env.update(other_cores=f"{other:.2f}", loadavg_after=load.loadavg_after, wall_s=f"{time.perf_counter() - started:.0f}")
     if device.type == "cpu" and not env["untrusted"] and other > len(os.sched_getaffinity(0)) - args.threads + 0.5:
@@ -327,9 +312,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
-    if pass_rows:
-        paths += passes.write(pass_rows, args.out, "passes", passes.markdown(pass_rows, "ampfused passes against the a += b stream", env))
-        print(passes.markdown(pass_rows, "Passes against the a += b stream", env))
     print(report.markdown_summary(rows))
     print(report.load_line(env))
     if env["untrusted"]:

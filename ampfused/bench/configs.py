@@ -155,7 +155,7 @@ class Case:
         return self.sweeps == ("host",)
 
 
-SWEEPS = ("configs", "size", "tensors", "host", "passes", "memory")
+SWEEPS = ("configs", "size", "tensors", "host", "memory")
 # DESIGN §9's compact state as rows of their own: name -> (master_weights,
 # state_dtype) of FusedAmpAdamW, on bf16 params (split16 has no fp16 form) at the configs sweep's
 # size (GPT-2-like tensors) and the size sweep's largest, against stock and ampfused fp32 masters.
@@ -179,15 +179,8 @@ PLANS = {
 }
 
 
-# each pass of the compiled backend alone against the a += b stream, at the
-# largest CPU size (ampfused/bench/passes.py); 100M on a GPU keeps it within a 16 GB card.
-PASSES_NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
-PASSES_TENSORS = 4
-
-
 def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | None = None) -> list[Case]:
-    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order (the ``passes``
-    sweep has no cases: ``bench.py`` runs it after them)."""
+    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
     configs_total, size_totals, tensors_total = PLANS[name]
     if sizes:
         size_totals = sizes
