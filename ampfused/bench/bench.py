@@ -1,11 +1,9 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it (``--gate-steps``
-steps compared with stock torch-fused's; a failure is reported FAILED, not timed, and exits 1), then
-time the ``step()`` of all that passed and the ``a += b`` roofline stream **interleaved**
-(``measure.interleaved``). Beside a compiled backend the ``reference`` backend is the oracle: gated,
-not timed (status ``untimed``) unless ``--backends`` names it. On a CPU the thread count follows the
-free cores (``environment.pick_threads``). Outputs, metrics, sweeps and the gate: benchmarks/README.md §1.
+For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it against stock
+torch-fused (a failure is reported FAILED, not timed, and exits 1), then time the ``step()`` of all
+that passed and the ``a += b`` roofline stream interleaved (``measure.interleaved``). Outputs,
+metrics, sweeps, the gate and the untimed ``reference`` oracle: benchmarks/README.md §1.
 """
 from __future__ import annotations
 
@@ -269,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_flush_denormal(True)  # the synthesized gradients shrink while timed (providers.py)
     budget = BUDGETS[plan_name]
     if args.max_spread is not None:
-        budget = measure.Budget(budget.min_s, budget.max_s, budget.min_samples, args.max_spread, budget.rounds)
+        budget = dataclasses.replace(budget, max_spread=args.max_spread)
 
     cases = configs.plan(plan_name, args.sweeps, args.sizes)
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
