@@ -2,8 +2,8 @@
 
 From a checkout: ``python benchmarks/streaming.py`` (defaults: 50M fp32 params in 4 tensors, 1 and 2 threads):
 
-1. **passes**: every pass alone against the ``a += b`` stream, as the ``passes`` sweep of
-   ``python -m ampfused bench`` measures them (``ampfused/bench/passes.py``).
+1. **passes**: every pass alone against the ``a += b`` stream, as ``python benchmarks/passes.py``
+   measures them (its rows and tables).
 2. **steps**: the whole ``step()`` with fresh gradients each step (new ``p.grad`` tensors, written
    just before the step outside the timing, as backward leaves them; ``p.grad = None`` after it):
    torch fused vs ``FusedAmpAdamW(skip_nonfinite=False)`` (*plain*, one pass) and the default
@@ -18,6 +18,7 @@ the machine (load average, and the cores other processes kept busy: ``environmen
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -25,12 +26,13 @@ import torch
 
 import ampfused
 from ampfused.bench import cli, measure
-from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY
+from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
 from ampfused.bench.environment import Load, environment, loadavg
-from ampfused.bench import passes
-from ampfused.bench.configs import human
-from ampfused.bench.passes import make_row, ms_cell, pass_rows, pass_table
 from ampfused.bench.report import fmt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however this file is loaded
+import passes  # noqa: E402
+from passes import make_row, ms_cell, pass_rows, pass_table  # noqa: E402
 
 # ---------------------------------------------------------------- 2. steps
 
@@ -169,7 +171,7 @@ def step_table(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    """streaming.md: the passes' table (as the bench's passes sweep writes it), the clock, the steps' table."""
+    """streaming.md: the passes' table (as benchmarks/passes.py writes it), the clock, the steps' table."""
     parts = passes.markdown(rows, "Large tensors: passes and steps", env).split("\n")
     parts.insert(4, f"- clock: {env.get('clock', 'wall')} (wall: perf_counter; cpu: CPU time per thread, "
                  "benchmarks/streaming.py [note: CPU-time clock])")  # after the versions line

@@ -1,11 +1,9 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it (``--gate-steps``
-steps compared with stock torch-fused's; a failure is reported FAILED, not timed, and exits 1), then
-time the ``step()`` of all that passed and the ``a += b`` roofline stream **interleaved**
-(``measure.interleaved``). Beside a compiled backend the ``reference`` backend is the oracle: gated,
-not timed (status ``untimed``) unless ``--backends`` names it. On a CPU the thread count follows the
-free cores (``environment.pick_threads``). Outputs, metrics, sweeps and the gate: benchmarks/README.md §1.
+For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it against stock
+torch-fused (a failure is reported FAILED, not timed, and exits 1), then time the ``step()`` of all
+that passed and the ``a += b`` roofline stream interleaved (``measure.interleaved``). Outputs,
+metrics, sweeps, the gate and the untimed ``reference`` oracle: benchmarks/README.md §1.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ import time
 
 import torch
 
-from . import cli, configs, measure, passes, providers, report
+from . import cli, configs, measure, providers, report
 from .environment import Load, environment, pick_threads
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
@@ -214,20 +212,6 @@ def host_only(active: bool):
     return kernels.host_only()
 
 
-def run_passes(plan_name: str, device: torch.device, backends: list[str], budget, env: dict) -> list[dict]:
-    """The ``passes`` sweep: the compiled backend's passes alone (passes.pass_rows), when it is here."""
-    if device.type not in backends:
-        print(f"passes sweep: skipped (the compiled {device.type} backend is not available)")
-        return []
-    progress = cli.Progress(budget.rounds, unit="round")
-    progress.describe(f"passes {configs.human(configs.PASSES_NUMEL[plan_name])}")
-    try:
-        return passes.pass_rows(configs.PASSES_NUMEL[plan_name], configs.PASSES_TENSORS, device, budget, env,
-                                backend_name=device.type, on_round=progress.update)
-    finally:
-        progress.close()
-
-
 def warm_up(names, device) -> None:
     """One untimed step of every provider on a tiny case: lazy initialisation stays out of the first row."""
     for config in (configs.FP32_CLIP, configs.BF16_X4_CLIP):
@@ -283,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_flush_denormal(True)  # the synthesized gradients shrink while timed (providers.py)
     budget = BUDGETS[plan_name]
     if args.max_spread is not None:
-        budget = measure.Budget(budget.min_s, budget.max_s, budget.min_samples, args.max_spread, budget.rounds)
+        budget = dataclasses.replace(budget, max_spread=args.max_spread)
 
     cases = configs.plan(plan_name, args.sweeps, args.sizes)
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
@@ -317,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_case(case, case_providers(case, names, device), device, args, budget, env, progress, untimed)
     finally:
         progress.close()
-    pass_rows = run_passes(plan_name, device, backends, budget, env) if "passes" in args.sweeps else []
     other = load.stop()
     env.update(other_cores=f"{other:.2f}", loadavg_after=load.loadavg_after, wall_s=f"{time.perf_counter() - started:.0f}")
     if device.type == "cpu" and not env["untrusted"] and other > len(os.sched_getaffinity(0)) - args.threads + 0.5:
@@ -327,9 +310,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
-    if pass_rows:
-        paths += passes.write(pass_rows, args.out, "passes", passes.markdown(pass_rows, "ampfused passes against the a += b stream", env))
-        print(passes.markdown(pass_rows, "Passes against the a += b stream", env))
     print(report.markdown_summary(rows))
     print(report.load_line(env))
     if env["untrusted"]:

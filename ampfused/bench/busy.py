@@ -1,17 +1,7 @@
 """`python -m ampfused bench busy`: the ``cpu`` backend's step against torch's fused AdamW while one
 spinning process keeps every core busy (as DataLoader workers do).
 
-Where other processes keep the cores busy, a thread of a parallel region that
-the scheduler does not run holds the region's barrier for a scheduler tick (milliseconds), so a
-step that opens regions for little work stalls ([note: grain] in csrc/cpu/ops_cpu.cpp). Each row
-is like for like on fp32 params, both optimizers at the same thread count: ``plain`` is
-``FusedAmpAdamW(skip_nonfinite=False)`` without a scaler against ``torch.optim.AdamW(fused=True)``;
-``clip`` is ``max_grad_norm=1.0`` against ``clip_grad_norm_(params, 1.0)`` + fused (both with
-non-finite gradients flowing through, as torch does); ``accumulate`` is the backward hook's add of
-bf16 micro-batch gradients into fp32 buffers against torch's ``main_grad.add_(grad)``. Before a row
-is timed, both sides take the same steps from the same inputs and their results (params and
-moments, or the buffers) are compared (the gate); then their steps are timed interleaved
-(``measure.interleaved``), so the spinners hit both alike.
+Rows (``plain``, ``clip``, ``accumulate``), the gate and the budgets: benchmarks/README.md §1.
 """
 from __future__ import annotations
 
@@ -27,27 +17,21 @@ import torch
 from . import cli, measure
 from .environment import Load, cpu_isa, cpu_model, loadavg
 
-# name -> numel of each tensor: tiny tensors (a step is all overhead), 148 tensors totalling 4M
-# elements, and a few large ones
-SHAPES = {
+SHAPES = {  # name -> numel of each tensor: all overhead, 4M elements in 148 tensors, a few large ones
     "148x16": (16,) * 148,
     "148x27K": (27_027,) * 148,
     "4x3.1M": (3_100_000,) * 4,
 }
 MODES = ("plain", "clip", "accumulate")
-# A tiny step is a fraction of a millisecond while the spinners take the core
-# away for milliseconds at a time: its rows take many short interleaved bursts, so both sides see
-# the same preemptions. The large rows' steps are long (torch's reach seconds where it stalls):
-# fewer rounds, and a cap per row, so the sweep stays within minutes. Their spinners' preemptions
-# spread a row's samples widely: enough rounds that two runs' medians agree.
+# A tiny step is shorter than one preemption by a spinner: many short bursts, so both sides see the
+# same preemptions. A large step is long (torch's steps take seconds where they stall): fewer rounds and a
+# cap per row, but enough rounds that two runs' medians agree.
 BUDGETS = {
     "small": measure.Budget(0.3, 0.6, min_samples=20, rounds=40, cap_s=8.0),
     "large": measure.Budget(0.3, 0.6, min_samples=15, rounds=15, cap_s=10.0),
     "quick": measure.Budget(0.005, 0.02, min_samples=3, rounds=3, cap_s=2.0),
 }
 SMALL = 1 << 20  # elements: a row below this takes the "small" budget
-
-
 SPIN_LIFETIME_S = 300.0  # a spinner ends by itself after this, should the benchmark be killed outright
 
 
@@ -91,8 +75,7 @@ def _tensors(numels, seed: int):
 
 class _Accumulation:
     """The backward hook's add of a bf16 micro-batch gradient into an fp32 buffer: the op the C++ hook of
-    csrc/accumulate_hook.cpp calls (``torch.ops.ampfused.accumulate``), or torch's own mixed-dtype
-    ``main_grad.add_(grad)``, the add a Megatron-style hook makes."""
+    csrc/accumulate_hook.cpp calls, or torch's own ``main_grad.add_(grad)``."""
 
     def __init__(self, kind: str, params, grads):
         self.main_grads = [torch.zeros_like(p) for p in params]
@@ -145,7 +128,7 @@ class _Side:
 
 
 def compare(got: dict[str, list], want: dict[str, list]) -> str:
-    """'' when every param and moment matches torch's within the fp32 tolerance, else the first mismatch."""
+    """'' when every param and moment (or buffer) matches torch's within tolerance, else the first mismatch."""
     return measure.compare(got, want, against="torch")
 
 

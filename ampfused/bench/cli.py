@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -81,9 +82,8 @@ class Progress:
         except ImportError:
             self.bar, self.total, self.done = None, total, 0
         else:
-            import sys
-
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+        self.text = ""
 
     def describe(self, text: str) -> None:
         if self.bar is not None:
@@ -96,10 +96,8 @@ class Progress:
                 self.bar.total = self.bar.n + n
             self.bar.update(n)
             return
-        import sys
-
         self.done += n
-        print(f"[{self.done}/{self.total}] {getattr(self, 'text', '')}", file=sys.stderr, flush=True)
+        print(f"[{self.done}/{self.total}] {self.text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,10 +1,9 @@
-"""What the optimizer-step benchmark measures: step configurations, parameter shape sets and sweeps.
-
-A *case* is one parameter set (a :class:`ShapeSet`) under one :class:`StepConfig`; every provider
-(stock torch paths and each ampfused backend) is timed on every case of the chosen sweeps.
-"""
+"""What the optimizer-step benchmark measures: a *case* is one parameter set (a :class:`ShapeSet`)
+under one :class:`StepConfig`, and every provider is timed on every case of the chosen sweeps (the
+configurations, sweeps and plans: benchmarks/README.md §1)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +15,14 @@ DTYPES = {"fp32": torch.float32, **LOW_PRECISION}
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 MAX_GRAD_NORM = 1.0
 INIT_SCALE = 2.0**16
-# growth_interval is set beyond any step count the timing can reach, so
-# the scale (and therefore what the synthesized scaled gradients mean) never changes mid-run.
-GROWTH_INTERVAL = 10**9
+GROWTH_INTERVAL = 10**9  # beyond any step count timed: the scale (what the scaled grads mean) stays put
 GRAD_STD = 1e-3  # unscaled gradient magnitude: the global norm is >> MAX_GRAD_NORM at every size, so clipping engages
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    """The training-step tail being benchmarked (the configurations: benchmarks/README.md §1). fp32
-    params take one micro-batch (autograd accumulates fp32 grads itself); ``fresh_grads``: new grad
-    tensors every step, as ``zero_grad(set_to_none=True)`` + backward give (providers.FreshGrads)."""
+    """The training-step tail being benchmarked. fp32 params take one micro-batch (autograd accumulates
+    fp32 grads itself); ``fresh_grads``: new grad tensors every step (providers.FreshGrads)."""
 
     param_dtype: str
     micro_batches: int
@@ -83,16 +79,9 @@ _LLAMA_BLOCK = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)
 LLAMA_7B = [(32000, 4096)] + _LLAMA_BLOCK * 32 + [(4096,), (32000, 4096)]
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 @dataclass(frozen=True)
 class ShapeSet:
-    """A list of 1-D tensor sizes. name: family ("few-large", "gpt2-like", "llama-like")."""
+    """1-D tensor sizes of one ``family`` ("few-large", "gpt2-like", "llama-like", "tiny")."""
 
     family: str
     sizes: tuple[int, ...]
@@ -111,19 +100,14 @@ class ShapeSet:
 
 
 def shape_set(family: str, total: int) -> ShapeSet:
-    """``total`` params split as ``family`` does.
-
-    gpt2-like / llama-like keep the tensor count and the relative size of
-    every tensor of the real model and scale all of them by ``total / model size`` (each at least 1
-    element), flattened to 1-D: the optimizer step is element-wise, so only the size
-    distribution and the tensor count matter. few-large is 4 equal tensors.
-    """
+    """``total`` params split as ``family`` does: 4 equal tensors, or every tensor of the real model
+    scaled by ``total / model size`` (at least 1 element each), flattened to 1-D."""
     if family == "few-large":
         base = [total // 4] * 4
         base[0] += total - sum(base)
         return ShapeSet(family, tuple(base))
     model = {"gpt2-like": GPT2_124M, "llama-like": LLAMA_7B}[family]
-    numels = [_numel(s) for s in model]
+    numels = [math.prod(s) for s in model]
     scale = total / sum(numels)
     return ShapeSet(family, tuple(max(1, round(n * scale)) for n in numels))
 
@@ -155,22 +139,19 @@ class Case:
         return self.sweeps == ("host",)
 
 
-SWEEPS = ("configs", "size", "tensors", "host", "passes", "memory")
-# DESIGN §9's compact state as rows of their own: name -> (master_weights,
-# state_dtype) of FusedAmpAdamW, on bf16 params (split16 has no fp16 form) at the configs sweep's
-# size (GPT-2-like tensors) and the size sweep's largest, against stock and ampfused fp32 masters.
+SWEEPS = ("configs", "size", "tensors", "host", "memory")
+# DESIGN §9's compact state, the memory sweep's rows: name -> (master_weights, state_dtype) of
+# FusedAmpAdamW, on bf16 params (split16 has no fp16 form)
 MEMORY_MODES = {
     "split16": ("split16", None), "split8": ("split8", None), "bf16-moments": (None, torch.bfloat16),
     "int8-moments": (None, "int8"), "split16+bf16": ("split16", torch.bfloat16), "split8+int8": ("split8", "int8"),
 }
-# The host sweep: many tiny tensors, where the device work is ~0 and a step's time is the Python
-# and dispatch work on the host: the real tensor counts of GPT-2 124M (148), Llama-2-7B (291) and a
-# model with 2000 params, 16 elements each; with stable grads (autograd accumulating into the same
-# p.grad) and with fresh grads every step (torch's default zero_grad(set_to_none=True) loop).
+# The host sweep: tiny tensors, so a step's time is the host's Python and dispatch work; the tensor
+# counts of GPT-2 124M, Llama-2-7B and a model with 2000 params
 HOST_COUNTS, HOST_NUMEL = (148, 291, 2000), 16
 
-# The full configuration matrix at one representative size, the other axes for fewer configurations:
-# the default CPU run stays near two minutes and covers every axis (the plans: benchmarks/README.md §1).
+# Every configuration at one size, the other axes for fewer: the default CPU run covers every axis
+# in about two minutes.
 PLANS = {
     # name: (configs-sweep total, size-sweep totals, tensors-sweep total)
     "quick": (256_000, (1_000_000,), 256_000),
@@ -179,15 +160,8 @@ PLANS = {
 }
 
 
-# each pass of the compiled backend alone against the a += b stream, at the
-# largest CPU size (ampfused/bench/passes.py); 100M on a GPU keeps it within a 16 GB card.
-PASSES_NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
-PASSES_TENSORS = 4
-
-
 def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | None = None) -> list[Case]:
-    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order (the ``passes``
-    sweep has no cases: ``bench.py`` runs it after them)."""
+    """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
     configs_total, size_totals, tensors_total = PLANS[name]
     if sizes:
         size_totals = sizes

@@ -44,11 +44,9 @@ PROBE_S = 1.0  # how long pick_threads watches the machine before the run
 def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float | None = None) -> tuple[int, str, str]:
     """(threads, the header line that says why, "" or why the timings are not to be trusted).
 
-    With more threads than free cores a parallel pass waits at its barrier for a
-    thread the scheduler took away, and a step's time measures the neighbours, not the step (the
-    default run on 2 cores with one busy took 16 minutes and inverted the host rows). So unless
-    ``requested``, the run takes the cores other processes left free over ``probe_s`` (rounded up
-    from 0.7 of a core), at least one. Where not even one core is free, no setting fits.
+    Unless ``requested``: the cores other processes left free over ``probe_s`` (rounded up from 0.7
+    of a core), at least one; more threads than free cores time the neighbours, not the step (the
+    default run on 2 cores with one busy took 16 minutes; benchmarks/README.md §1, "Metrics").
     """
     cores = len(os.sched_getaffinity(0))
     if other is None:
@@ -93,12 +91,9 @@ def loadavg() -> str:
 
 
 class Load:
-    """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``.
-
-    /proc/stat's busy jiffies of the whole machine minus this process's own
-    (/proc/self/stat, all threads), over the elapsed jiffies: 0.0 on an idle machine, 1.0 when
-    another process kept one core busy the whole time. The load average alone cannot tell this
-    benchmark's own threads from other work. NaN where /proc is not available.
+    """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``: the machine's busy
+    jiffies (/proc/stat) minus this process's own (/proc/self/stat) over the elapsed ones, 1.0 for one
+    core busy the whole time (the load average cannot tell our threads from others'). NaN without /proc.
     """
 
     def __init__(self):

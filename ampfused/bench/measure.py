@@ -40,19 +40,13 @@ class Budget:
     cap_s: float = 120.0  # per case: the minimums give way only here (a runaway slow provider)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summarize(times_ms: list[float], budget: Budget) -> Timing:
     if not times_ms:
         return Timing(math.nan, math.nan, math.nan, 0, unstable="no samples")
-    t = Timing(percentile(times_ms, 50), percentile(times_ms, 20), percentile(times_ms, 80), len(times_ms))
+    # linear interpolation between the closest ranks (numpy's default), in float64
+    median, p20, p80 = torch.tensor(times_ms, dtype=torch.float64).quantile(
+        torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).tolist()
+    t = Timing(median, p20, p80, len(times_ms))
     if t.samples < budget.min_samples:
         t.unstable = f"{t.samples} samples < {budget.min_samples}"
     elif t.spread > budget.max_spread:
@@ -97,14 +91,10 @@ def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget
                 clock: Callable[[], float] = time.perf_counter, on_round: Callable[[], None] | None = None
                 ) -> dict[str, Timing]:
     """Time every function of ``fns`` in alternating bursts, so machine load, clock changes and thermal
-    drift hit all of them alike; ``on_round`` is called after every round (a progress bar).
-
-    One untimed call of each calibrates its burst length: ``ceil(max(min_samples, min_s / t) / rounds)``
-    calls per round, so a slow function and a fast one both finish their minimum in about
-    ``rounds`` rounds. Each call is one sample (perf_counter on CPU and with ``host``, where the device
-    is synchronized before the call but not inside it; CUDA events otherwise, L2 flushed first). A
-    function that raises is dropped from the rotation and reported with ``error``.
-    """
+    drift hit all of them alike (the rules: benchmarks/README.md §1, "Metrics"); ``on_round`` is
+    called after every round (a progress bar). One untimed call of each sets its burst length, so a
+    slow function and a fast one both reach their minimum in about ``rounds`` rounds. A function
+    that raises leaves the rotation and is reported with ``error``."""
     timer = _CallTimer(device, host, clock)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     errors: dict[str, str] = {}
@@ -155,10 +145,8 @@ COPY_CAP_BYTES = 4 << 30
 
 class DeviceCopy:
     """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a),
-    timed in the providers' interleaved loop. In place, as AdamW updates: a ``copy_``'s stores first
-    read the destination into a CPU's cache, moving more bytes than it is credited with. Capped at
-    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory.
-    """
+    in place as AdamW updates (why not ``copy_``: benchmarks/README.md §1, "Metrics"). Capped at
+    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory."""
 
     def __init__(self, nbytes: float, device: torch.device):
         moved = int(min(nbytes, COPY_CAP_BYTES))
@@ -175,10 +163,8 @@ class DeviceCopy:
 
 
 class PeakMemory:
-    """Peak memory while a provider is alive, in bytes above the level at ``start()``: the CUDA
-    allocator's peak, or on a CPU the growth of the peak resident set (VmHWM, reset through
-    /proc/self/clear_refs) after ``malloc_trim``, an undercount where glibc reuses freed heap. NaN
-    without /proc."""
+    """Peak memory above the level at ``start()``: the CUDA allocator's peak, or on a CPU the growth of
+    the peak resident set (VmHWM, reset through /proc/self/clear_refs; NaN without /proc)."""
 
     def __init__(self, device: torch.device):
         self.device = device

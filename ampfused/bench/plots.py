@@ -27,12 +27,11 @@ def _providers(rows):
     return list(dict.fromkeys(r["provider"] for r in rows))
 
 
-def _log_ticks(ax, axis="y"):
-    """Plain numbers (0.5, 1, 2, 5, 10) on a log axis, not 2×10⁰."""
-    target = ax.yaxis if axis == "y" else ax.xaxis
-    target.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    target.set_minor_formatter(ticker.NullFormatter())
+def _log_ticks(axis, locator=None):
+    """Plain numbers (0.5, 1, 2, 5, 10) on a log axis, not 2×10⁰; at 1-2-5 steps unless ``locator``."""
+    axis.set_major_locator(locator or ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
 
 
 def _finish(fig, path, title, hardware, key=None):
@@ -44,8 +43,8 @@ def _finish(fig, path, title, hardware, key=None):
     plt.close(fig)
 
 
-def _bars(ax, groups, names, value, err, dagger, log=True):
-    """Grouped bars: value(group, name) -> float or None; err -> (lo, hi) absolute; dagger -> bool."""
+def _bars(ax, groups, names, value, err, dagger):
+    """Grouped bars on a log axis: value(group, name) -> float or None; err -> (lo, hi) absolute; dagger -> bool."""
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         xs, ys, lo, hi, marks = [], [], [], [], []
@@ -64,9 +63,8 @@ def _bars(ax, groups, names, value, err, dagger, log=True):
             if mark:
                 ax.annotate("†", (x, y), xytext=(4, 1), textcoords="offset points", ha="left", va="bottom", fontsize=8)
     ax.set_xticks(range(len(groups)), [g.replace("-", "\n") for g in groups], fontsize=7.5)
-    if log:
-        ax.set_yscale("log")
-        _log_ticks(ax)
+    ax.set_yscale("log")
+    _log_ticks(ax.yaxis)
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
@@ -126,7 +124,7 @@ def plot_size(rows, path) -> bool:
             ax.plot(*zip(*copy), linestyle="--", color="black", label="device stream a += b, torch-fused's bytes (roofline)")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        _log_ticks(ax)
+        _log_ticks(ax.yaxis)
         ax.set(title=cfg, xlabel="parameters (4 equal tensors)", ylabel="effective GB/s (modeled bytes / median time)")
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
@@ -182,10 +180,8 @@ def plot_host(rows, path) -> bool:
     right.set(xscale="log", yscale="log", xlabel="tensors (16 elements each)",
               ylabel="ampfused host time ÷ torch-fused's\n(log scale; < 1 = less host time)", title="ratio to stock, same clipping")
     for ax in (left, right):
-        _log_ticks(ax)
-        ax.xaxis.set_major_locator(ticker.FixedLocator(sorted({r["tensors"] for r in subset})))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        _log_ticks(ax.yaxis)
+        _log_ticks(ax.xaxis, ticker.FixedLocator(sorted({r["tensors"] for r in subset})))
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
     _finish(fig, path, "Host time per optimizer step on tiny tensors (device work ≈ 0)", subset[0]["hardware"])

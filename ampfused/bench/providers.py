@@ -26,10 +26,9 @@ def memory_mode(provider: str) -> str | None:
 
 
 class FreshGrads:
-    """SETS copies of the case's fp32 gradients, handed over in turn at the start
-    of every step: each step gets new grad tensors at addresses unseen for SETS - 1 steps (more than
-    any table cache keeps), as zero_grad(set_to_none=True) + backward give. The hand-over (one
-    ``p.grad =`` per param) is inside the timed step, for stock and ampfused alike."""
+    """SETS copies of the case's fp32 gradients, handed over in turn at the start of every step (inside
+    the timed step, for stock and ampfused alike): new grad tensors at addresses unseen for SETS - 1
+    steps, more than any table cache keeps, as zero_grad(set_to_none=True) + backward give."""
 
     SETS = 20
 

@@ -23,7 +23,8 @@ def run_main(capsys, *argv):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--sizes", "abc"], "argument --sizes: 'abc' is not a size"),
     (["bench", "--sizes", "0"], "argument --sizes: '0': a size is at least 1"),
-    (["bench", "--sweeps", "nope"], "argument --sweeps: unknown 'nope'; choose from configs, size, tensors, host"),
+    (["bench", "--sweeps", "nope"], "argument --sweeps: unknown 'nope'; choose from configs, size, tensors, host, memory"),
+    (["bench", "--sweeps", "passes"], "argument --sweeps: unknown 'passes'"),  # a study now: benchmarks/passes.py
     (["bench", "--sweeps", ""], "argument --sweeps: unknown empty list"),
     (["bench", "--backends", "nope"], "argument --backends: unknown 'nope'; choose from cuda, triton, cpu, reference"),
     (["bench", "--threads", "0"], "argument --threads: '0': must be at least 1"),

@@ -85,6 +85,10 @@ def test_wheel_holds_the_kernels_inside_ampfused_and_nothing_else_top_level(chec
     shipped = {p[2] for p in parts if p[:2] == ("ampfused", "kernels") and len(p) == 3}
     assert shipped == {p.name for p in (ROOT / "kernels").glob("*.py")}
     assert not [p for p in parts if p[:2] in (("ampfused", "benchmarks"), ("ampfused", "tests"))]
+    # the installed bench is the step benchmark alone: the studies of benchmarks/ stay in the checkout
+    bench = {p[2] for p in parts if p[:2] == ("ampfused", "bench") and len(p) == 3}
+    assert bench == {p.name for p in (ROOT / "ampfused" / "bench").glob("*.py")}
+    assert not bench & {p.name for p in (ROOT / "benchmarks").glob("*.py")}
 
 
 def test_regular_install_imports_the_installed_kernels(checkout, tmp_path):

@@ -1,6 +1,6 @@
-"""Smoke tests of the checkout's large-tensor benchmark (benchmarks/streaming.py) and the bench's `passes` sweep:
-every pass gets a timing, GB/s and its fraction of the a += b stream, and the step comparison checks
-every provider against stock torch before it reports a ratio."""
+"""Smoke tests of the checkout's large-tensor benchmark (benchmarks/streaming.py) and its per-pass study
+(benchmarks/passes.py): every pass gets a timing, GB/s and its fraction of the a += b stream, and the
+step comparison checks every provider against stock torch before it reports a ratio."""
 import csv
 import subprocess
 import sys
@@ -11,6 +11,7 @@ import pytest
 from ampfused import _compiled
 
 pytestmark = pytest.mark.skipif(_compiled.load()[0] is None, reason="ampfused._C is not built (no compiled CPU passes)")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def run_script(args, cwd):
@@ -24,8 +25,7 @@ def rows(path):
 
 def test_streaming_reports_passes_and_steps(tmp_path):
     out = tmp_path / "s"
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "streaming.py"
-    proc = run_script([str(script), "--size", "64K", "--threads", "1", "--rounds", "3",
+    proc = run_script([str(BENCHMARKS / "streaming.py"), "--size", "64K", "--threads", "1", "--rounds", "3",
                 "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = rows(out / "streaming.csv")
@@ -45,10 +45,9 @@ def test_streaming_reports_passes_and_steps(tmp_path):
     assert "% of a += b" in (out / "streaming.md").read_text()
 
 
-def test_bench_passes_sweep_writes_its_table(tmp_path):
+def test_passes_study_writes_its_table(tmp_path):
     out = tmp_path / "b"
-    proc = run_script(["-m", "ampfused", "bench", "--quick", "--sweeps", "passes", "--backends", "cpu", "--out", str(out)],
-               tmp_path)
+    proc = run_script([str(BENCHMARKS / "passes.py"), "--quick", "--device", "cpu", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stats: read g (fp32)" in proc.stdout  # the per-pass table is printed
     assert "round" in proc.stderr  # with a progress bar of its rounds

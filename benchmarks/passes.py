@@ -1,22 +1,34 @@
-"""The ``passes`` sweep of ``python -m ampfused bench``: every pass of the compiled backend alone and
-torch's own passes (fused AdamW, ``clip_grad_norm_``'s ``_foreach_norm`` and ``_foreach_mul_``, a plain
-``sum``), timed interleaved with the ``a += b`` stream over as many fp32 elements: modeled bytes per
-element, GB/s and the fraction of the stream's. A read-only pass is capped by the misses one core
-keeps in flight, below the stream (the ``sum`` row shows that cap for torch). Writes ``passes.csv`` /
-``passes.md``; ``benchmarks/streaming.py`` shares these rows and tables.
+"""Each pass of the compiled backend and of torch alone, against the ``a += b`` stream.
+
+The backend's stats, update and accumulate passes and torch's fused AdamW, ``clip_grad_norm_``'s
+``_foreach_norm`` and ``_foreach_mul_`` and a plain ``sum``, timed interleaved with the stream over
+as many fp32 elements: modeled bytes per element, GB/s and the fraction of the stream's. A read-only
+pass is capped by the misses one core keeps in flight, below the stream (the ``sum`` row shows that
+cap for torch).
+
+From a checkout: ``python benchmarks/passes.py`` (50M fp32 elements in 4 tensors on a CPU, 100M on a
+GPU; ``--quick`` 1M). Writes ``passes.csv`` / ``passes.md`` to ``--out``; ``benchmarks/streaming.py``
+shares these rows and tables.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import sys
 import time
 
 import torch
 
-from . import measure
-from .configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
-from .environment import Load
-from .report import fmt, write_csv
+from ampfused.bench import cli, measure
+from ampfused.bench.bench import BUDGETS
+from ampfused.bench.configs import BETAS, EPS, GRAD_STD, LR, MAX_GRAD_NORM, WEIGHT_DECAY, human
+from ampfused.bench.environment import Load, environment, pick_threads
+from ampfused.bench.report import fmt, write_csv
+
+# fp32 elements by plan: the bench's largest CPU size; 100M on a GPU keeps it within a 16 GB card
+NUMEL = {"quick": 1_000_000, "cpu": 50_000_000, "gpu": 100_000_000}
+TENSORS = 4
 
 COLUMNS = ["date", "hardware", "torch", "ampfused", "clock", "section", "threads", "numel", "tensors", "name", "bytes_per_elem",
            "median_ms", "p20_ms", "p80_ms", "samples", "unstable", "gbps", "roofline_gbps", "roofline_frac",
@@ -140,7 +152,7 @@ def ms_cell(r) -> str:
 
 
 def markdown(rows: list[dict], title: str, env: dict) -> str:
-    """The pass rows' table under a header naming the machine (the ``passes`` sweep's ``passes.md``)."""
+    """The pass rows' table under a header naming the machine (``passes.md``)."""
     passes = [r for r in rows if r["section"] == "passes"]
     parts = [f"# {title}", "", f"- date: {env['date']}; hardware: {env['hardware']}",
              f"- versions: torch {env['torch']}, ampfused {env['ampfused']}", ""]
@@ -158,3 +170,48 @@ def write(rows: list[dict], out: str, stem: str, text: str) -> list[str]:
     with open(paths[1], "w") as f:
         f.write(text + "\n")
     return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/passes.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--quick", action="store_true", help="1M elements and a short timing budget (a smoke run)")
+    parser.add_argument("--size", type=cli.parse_size, default=None,
+                        help="fp32 elements in all (default: 1M with --quick, else 100M on a GPU, 50M on a CPU)")
+    parser.add_argument("--tensors", type=cli.positive_int, default=TENSORS,
+                        help=f"tensors they are split into (default {TENSORS})")
+    parser.add_argument("--threads", type=cli.positive_int, default=None,
+                        help="CPU threads (default: the cores other processes leave free, measured at the start)")
+    parser.add_argument("--out", default=os.path.join("bench-results", "passes"), help="output folder")
+    args = parser.parse_args(argv)
+    device = cli.pick_device(parser, args.device)
+    from ampfused import _backends
+
+    try:
+        _backends.resolve(device.type, device)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(f"the compiled {device.type} backend is not available: {exc}")
+    plan = "quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu")
+    numel = args.size or NUMEL[plan]
+    threads = args.threads or torch.get_num_threads()
+    if device.type == "cpu":  # as the step benchmark: the cores other processes leave free
+        threads, threads_line, untrusted = pick_threads(args.threads)
+        print(threads_line + (f"\nWARNING: {untrusted}" if untrusted else ""))
+        torch.set_flush_denormal(True)
+    torch.set_num_threads(threads)
+    env = environment(device, threads)
+    budget = BUDGETS[plan]
+    progress = cli.Progress(budget.rounds, unit="round")
+    progress.describe(f"passes {human(numel)}")
+    try:
+        rows = pass_rows(numel, args.tensors, device, budget, env, backend_name=device.type, on_round=progress.update)
+    finally:
+        progress.close()
+    text = markdown(rows, "ampfused passes against the a += b stream", env)
+    print(text)
+    print("wrote " + ", ".join(write(rows, args.out, "passes", text)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
