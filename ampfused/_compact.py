@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEYS = {mode: key for mode, (_, _, key) in MASTER_ENCODINGS.items()}
+MASTER_KEYS = {mode: key for mode, (_, _, key, _) in MASTER_ENCODINGS.items()}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 _EXPONENT_BIAS = {torch.bfloat16: 127, torch.float16: 15}
 
@@ -339,7 +339,7 @@ def is_compact_key(key: str) -> bool:
 
 
 def _master_mode(param: Tensor, state: dict) -> str:
-    for mode, (_, _, key) in MASTER_ENCODINGS.items():
+    for mode, (_, _, key, _) in MASTER_ENCODINGS.items():
         if key in state:
             return mode
     return "none" if param.dtype in _MANTISSA_BITS else "fp32"
