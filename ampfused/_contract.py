@@ -157,6 +157,19 @@ def master_mismatch(mode: str, param_dtype) -> str | None:
     return f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(MASTER_PARAM_DTYPES[mode])} param"
 
 
+def check_master_weights(param: Tensor, master_weights: str) -> None:
+    """The ``master_weights`` option against a param, for the optimizer and ``_compact.encode_state``
+    alike: a split master completes only the ``MASTER_PARAM_DTYPES`` params (split16: bf16; fp16 params
+    have no split16 form). Params without a master (``encoding_for``: fp32 and wider) pass. ValueError."""
+    mode = encoding_for(param, master_weights, torch.float32)[0]
+    why = master_mismatch(mode, param.dtype)
+    if why is not None:
+        name = dtype_names([param.dtype])
+        others = " or ".join(f'"{other}"' for other in MASTER_ENCODINGS if master_mismatch(other, param.dtype) is None)
+        raise ValueError(f'master_weights="{mode}" keeps {why}, not a {name} one: use master_weights={others} '
+                         f"for {name} params")
+
+
 def master_encoding(master: Tensor | None) -> str:
     """A master buffer's mode: "none" without one, else "fp32", "split16" or "split8" by its dtype."""
     if master is None:
