@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
-from ._contract import INT8_BLOCK, KERNEL_DTYPES, MASTER_MODE_OF_DTYPE, MASTER_PARAM_DTYPES, is_dense
+from ._contract import INT8_BLOCK, KERNEL_DTYPES, MASTER_MODE_OF_DTYPE, check_master_weights, is_dense, master_mismatch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -129,11 +129,10 @@ def check_param_group(param_group: dict, defaults: dict, existing: list, check_p
 
 
 def check_param_modes(p, mode: str, moments) -> None:
-    """A param the compact modes can serve: split16 completes bf16 params only; blockwise int8 moments
+    """A param the compact modes can serve: a split master completes the params of
+    ``_contract.MASTER_PARAM_DTYPES`` only (``_contract.check_master_weights``); blockwise int8 moments
     need the whole tensor (a DTensor's local shard would cut the blocks)."""
-    if mode == "split16" and p.dtype == torch.float16:
-        raise ValueError('master_weights="split16" stores the low 16 bits of a bf16 param\'s fp32 master and has no '
-                         'fp16 form: use master_weights="split8" (1 B/param) or "fp32" for fp16 params')
+    check_master_weights(p, mode)
     if moments == "int8" and _dtensor.is_dtensor(p):
         raise ValueError('state_dtype="int8" with a DTensor (FSDP2) parameter: blockwise scales of a local shard cannot '
                          'be resharded; use state_dtype=torch.bfloat16, or convert checkpoints with '
@@ -241,11 +240,9 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
     for i, p in enumerate(params):
         master, m, v, vmax = masters[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i]
         mode = None if master is None else MASTER_MODE_OF_DTYPE.get(master.dtype)
-        if mode in MASTER_PARAM_DTYPES and p.dtype not in MASTER_PARAM_DTYPES[mode]:
-            short = "/".join(str(d).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
-                             for d in MASTER_PARAM_DTYPES[mode])  # bf16, fp16
-            raise ValueError(f"master_params[{i}] is {master.dtype} (a {mode} master) but its param is {p.dtype}: {mode} "
-                             f"needs {short} params")
+        why = None if mode is None else master_mismatch(mode, p.dtype)
+        if why is not None:
+            raise ValueError(f"master_params[{i}] is {why}, but params[{i}] is {p.dtype}")
         if master is not None and mode is None:
             raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected float32, int16 (split16) or int8 (split8)")
         scales = moment_scales[i] if moment_scales is not None else None

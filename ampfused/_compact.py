@@ -86,8 +86,8 @@ from torch import Tensor
 
 from ._contract import INT8_BLOCK as BLOCK
 from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
-                        SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, encoding_for,
-                        is_dense, moment_encoding)
+                        SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, check_master_weights,
+                        encoding_for, is_dense, moment_encoding)
 
 __all__ = [
     "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "stochastic_round_bf16",
@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-MASTER_KEYS = {mode: key for mode, (_, _, key) in MASTER_ENCODINGS.items()}
+MASTER_KEYS = {mode: key for mode, (_, _, key, _) in MASTER_ENCODINGS.items()}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 _EXPONENT_BIAS = {torch.bfloat16: 127, torch.float16: 15}
 
@@ -339,7 +339,7 @@ def is_compact_key(key: str) -> bool:
 
 
 def _master_mode(param: Tensor, state: dict) -> str:
-    for mode, (_, _, key) in MASTER_ENCODINGS.items():
+    for mode, (_, _, key, _) in MASTER_ENCODINGS.items():
         if key in state:
             return mode
     return "none" if param.dtype in _MANTISSA_BITS else "fp32"
@@ -350,8 +350,7 @@ def _check_modes(param: Tensor, master_weights: str, state_dtype) -> None:
         raise ValueError(f'master_weights must be "fp32", "split16", "split8" or "none", got {master_weights!r}')
     if state_dtype not in (torch.float32, torch.bfloat16, "int8"):
         raise ValueError(f'state_dtype must be torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
-    if master_weights == "split16" and param.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f'master_weights="split16" needs bf16 params (the low half completes a bf16 param), got {param.dtype}')
+    check_master_weights(param, master_weights)  # the optimizer's rule and message (a split master's params)
 
 
 def _encode_moment(state: dict, key: str, value: Tensor, mode: str, rand16: Tensor | None = None) -> None:

@@ -120,10 +120,10 @@ SHARED = {
 # dispatcher (``functional.fallback_indices``), the Triton rows and the C++ op's checks (the tables
 # are generated into kernels/_contract_generated.py, and over ATen's ScalarType into
 # csrc/contract_aten_generated.h).
-MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key)
-    "fp32": (torch.float32, MASTER_F32, "master_param"),
-    "split16": (torch.int16, MASTER_SPLIT16, "master_low16"),
-    "split8": (torch.int8, MASTER_SPLIT8, "master_residual8"),
+MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key, what it holds)
+    "fp32": (torch.float32, MASTER_F32, "master_param", "fp32 master"),
+    "split16": (torch.int16, MASTER_SPLIT16, "master_low16", "split16 low halves"),
+    "split8": (torch.int8, MASTER_SPLIT8, "master_residual8", "split8 residuals"),
 }
 MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg_sq dtype), its MOMENT_ code)
     "fp32": ((torch.float32, torch.float32), MOMENT_F32),
@@ -134,8 +134,40 @@ MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode 
     "split16": (torch.bfloat16,),
     "split8": (torch.bfloat16, torch.float16),
 }
-MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _) in MASTER_ENCODINGS.items()}
+MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _, _) in MASTER_ENCODINGS.items()}
 MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
+
+
+def dtype_names(dtypes) -> str:
+    """"a", "a or b", "a, b or c": torch dtypes by name (``bfloat16``) for a message, as the generated C++ spells them."""
+    names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+# Each master encoding for messages, its buffer's dtype and what it holds: "int16 (split16 low halves)"
+# (C++: master_description in csrc/contract_aten_generated.h; Triton: MASTER_DESCRIPTIONS by buffer dtype).
+MASTER_DESCRIPTIONS = {mode: f"{dtype_names([dtype])} ({holds})" for mode, (dtype, _, _, holds) in MASTER_ENCODINGS.items()}
+
+
+def master_mismatch(mode: str, param_dtype) -> str | None:
+    """Why a master of ``mode`` cannot complete a param of ``param_dtype`` (``MASTER_PARAM_DTYPES``), or
+    None when it can: "int16 (split16 low halves), which needs a bfloat16 param", as the C++ op says it."""
+    if mode not in MASTER_PARAM_DTYPES or param_dtype in MASTER_PARAM_DTYPES[mode]:
+        return None
+    return f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(MASTER_PARAM_DTYPES[mode])} param"
+
+
+def check_master_weights(param: Tensor, master_weights: str) -> None:
+    """The ``master_weights`` option against a param, for the optimizer and ``_compact.encode_state``
+    alike: a split master completes only the ``MASTER_PARAM_DTYPES`` params (split16: bf16; fp16 params
+    have no split16 form). Params without a master (``encoding_for``: fp32 and wider) pass. ValueError."""
+    mode = encoding_for(param, master_weights, torch.float32)[0]
+    why = master_mismatch(mode, param.dtype)
+    if why is not None:
+        name = dtype_names([param.dtype])
+        others = " or ".join(f'"{other}"' for other in MASTER_ENCODINGS if master_mismatch(other, param.dtype) is None)
+        raise ValueError(f'master_weights="{mode}" keeps {why}, not a {name} one: use master_weights={others} '
+                         f"for {name} params")
 
 
 def master_encoding(master: Tensor | None) -> str:

@@ -94,7 +94,7 @@ def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.
         else:
             keys[name] = dtype
     if master_mode != "none":
-        dtype, _, key = MASTER_ENCODINGS[master_mode]
+        dtype, _, key, _ = MASTER_ENCODINGS[master_mode]
         keys[key] = dtype
     return keys
 
@@ -106,7 +106,7 @@ def moment_key(state: dict, name: str) -> str:
 
 def master_of(state: dict) -> Tensor | None:
     """The master tensor of a state (fp32, int16 low bits or int8 residual), None without master."""
-    for _, _, key in MASTER_ENCODINGS.values():
+    for _, _, key, _ in MASTER_ENCODINGS.values():
         if key in state:
             return state[key]
     return None

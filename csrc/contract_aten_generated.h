@@ -82,6 +82,16 @@ inline const char* master_param_dtypes(int32_t master_kind) {
   }
 }
 
+// _contract.MASTER_DESCRIPTIONS: a master of kind `master_kind` for a message ("" for no such kind)
+inline const char* master_description(int32_t master_kind) {
+  switch (master_kind) {
+    case kMasterF32: return "float32 (fp32 master)";
+    case kMasterSplit16: return "int16 (split16 low halves)";
+    case kMasterSplit8: return "int8 (split8 residuals)";
+    default: return "";
+  }
+}
+
 // the dtypes of DTYPE_CODE and MASTER_ENCODINGS, for messages
 constexpr const char* kKernelDtypeNames = "float32, float16 or bfloat16";
 constexpr const char* kMasterDtypeNames = "float32 (fp32 master), int16 (split16) or int8 (split8)";

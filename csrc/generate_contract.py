@@ -75,16 +75,6 @@ ATEN_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "H
               torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte"}
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _names(dtypes) -> str:
-    """"a", "a or b", "a, b or c": a list of dtypes for an error message."""
-    names = [_dtype_name(d) for d in dtypes]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-
-
 def _code_name(c, prefix: str, value: int) -> str:
     """The C++ name of the ``prefix`` constant of ``value`` (the code a table maps to)."""
     (name,) = [cpp for py, (cpp, _, _) in c.SHARED.items() if py.startswith(prefix) and getattr(c, py) == value]
@@ -100,7 +90,7 @@ def _switch(name: str, source: str, doc: str, table: dict, c, prefix: str) -> li
 
 def _encoding_codes(c) -> tuple[dict, dict, dict]:
     """The code of each stored dtype: (masters, exp_avg buffers, exp_avg_sq / max_exp_avg_sq buffers)."""
-    masters = {dtype: code for dtype, code, _ in c.MASTER_ENCODINGS.values()}
+    masters = {dtype: code for dtype, code, _, _ in c.MASTER_ENCODINGS.values()}
     exp_avgs = {dtypes[0]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
     squares = {dtypes[1]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
     return masters, exp_avgs, squares
@@ -124,14 +114,20 @@ def _aten_tables(c) -> list[str]:
         code = _code_name(c, "MASTER_", c.MASTER_ENCODINGS[mode][1])
         accepted = " || ".join(f"param == c10::ScalarType::{ATEN_NAMES[d]}" for d in dtypes)
         completes.append(f"    case {code}: return {accepted};")
-        names.append(f'    case {code}: return "{_names(dtypes)}";')
+        names.append(f'    case {code}: return "{c.dtype_names(dtypes)}";')
     lines += completes + ["    default: return true;", "  }", "}", ""]
     lines += names + ['    default: return "";', "  }", "}", ""]
+    # each master kind described for messages: its buffer's dtype and what it holds
+    lines += ["// _contract.MASTER_DESCRIPTIONS: a master of kind `master_kind` for a message (\"\" for no such kind)",
+              "inline const char* master_description(int32_t master_kind) {", "  switch (master_kind) {"]
+    lines += [f'    case {_code_name(c, "MASTER_", code)}: return "{c.MASTER_DESCRIPTIONS[mode]}";'
+              for mode, (_, code, _, _) in c.MASTER_ENCODINGS.items()]
+    lines += ['    default: return "";', "  }", "}", ""]
     # message lists of the dtypes each table holds
-    kinds = [f"{_dtype_name(dtype)} ({'fp32 master' if code == c.MASTER_F32 else mode})"
-             for mode, (dtype, code, _) in c.MASTER_ENCODINGS.items()]
+    kinds = [f"{c.dtype_names([dtype])} ({'fp32 master' if code == c.MASTER_F32 else mode})"
+             for mode, (dtype, code, _, _) in c.MASTER_ENCODINGS.items()]
     lines += ["// the dtypes of DTYPE_CODE and MASTER_ENCODINGS, for messages",
-              f'constexpr const char* kKernelDtypeNames = "{_names(c.DTYPE_CODE)}";',
+              f'constexpr const char* kKernelDtypeNames = "{c.dtype_names(c.DTYPE_CODE)}";',
               f'constexpr const char* kMasterDtypeNames = "{", ".join(kinds[:-1])} or {kinds[-1]}";']
     return lines
 
@@ -164,6 +160,8 @@ def _triton_tables(c) -> dict[str, str]:
         # keyed by the master's stored dtype, as the rows see it
         "MASTER_PARAM_DTYPES": table((c.MASTER_ENCODINGS[mode][0], "(" + ", ".join(map(str, dtypes)) + ("," if len(dtypes) == 1 else "") + ")")
                                      for mode, dtypes in c.MASTER_PARAM_DTYPES.items()),
+        # each master for messages (_contract.MASTER_DESCRIPTIONS), keyed by its stored dtype too
+        "MASTER_DESCRIPTIONS": table((c.MASTER_ENCODINGS[mode][0], repr(text)) for mode, text in c.MASTER_DESCRIPTIONS.items()),
     }
 
 
@@ -171,12 +169,13 @@ def render_triton(c) -> str:
     lines = [f'"""{BANNER}', "", "The pass contract as ``tl.constexpr`` globals for the Triton kernels: the constants under their",
              "``ampfused._contract`` names, and the column of each field of a record's int64 row (prefix per",
              'record, ``<prefix>SIZE`` the row width), and the codes of torch dtypes (element types, tensor lrs,',
-             'compact encodings) with the params each master completes."""',
+             'compact encodings) with the params each master completes and its description for messages."""',
              "import torch", "import triton.language as tl", ""]
     for name, (_, ctype, _) in c.SHARED.items():
         lines.append(f"{name} = tl.constexpr({_py_value(getattr(c, name), ctype)})")
     # [note: one encoding decision]: the row codes of the dtypes (DTYPE_CODE, LR_KIND_OF_DTYPE,
-    # MASTER_ENCODINGS, MOMENT_ENCODINGS) and the params a master completes (MASTER_PARAM_DTYPES)
+    # MASTER_ENCODINGS, MOMENT_ENCODINGS), the params a master completes (MASTER_PARAM_DTYPES) and the
+    # masters' descriptions for messages (MASTER_DESCRIPTIONS)
     lines += ["", "# the dtype tables of _contract"] + [f"{name} = {text}" for name, text in _triton_tables(c).items()]
     for record, (_, prefix) in c.RECORDS.items():
         lines += ["", f"# _contract.{record}"]

@@ -70,14 +70,13 @@ float* scales_of(const std::optional<at::TensorList>& moment_scales, size_t i, i
   return s.data_ptr<float>();
 }
 
-// A master buffer: float32 (fp32 master), int16 (split16: bf16 params) or int8 (split8: bf16/fp16 params).
+// A master buffer: a kind of _contract.MASTER_ENCODINGS, and one that completes its param (MASTER_PARAM_DTYPES).
 int32_t master_kind_of(const at::Tensor& t, const at::Tensor& param, size_t i) {
   check_like(t, param, "masters", i);
   const int32_t kind = master_kind_of_storage(t.scalar_type());
   TORCH_CHECK(kind >= 0, "ampfused: masters[", i, "] must be ", kMasterDtypeNames, ", got ", t.scalar_type());
-  TORCH_CHECK(master_completes(kind, param.scalar_type()), "ampfused: masters[", i, "] is ",
-              kind == kMasterSplit16 ? "int16 (split16 low halves)" : "int8 (split8 residuals)", ", which needs a ",
-              master_param_dtypes(kind), " param, but params[", i, "] is ", param.scalar_type());
+  TORCH_CHECK(master_completes(kind, param.scalar_type()), "ampfused: masters[", i, "] is ", master_description(kind),
+              ", which needs a ", master_param_dtypes(kind), " param, but params[", i, "] is ", param.scalar_type());
   return kind;
 }
 

@@ -3,7 +3,7 @@
 The pass contract as ``tl.constexpr`` globals for the Triton kernels: the constants under their
 ``ampfused._contract`` names, and the column of each field of a record's int64 row (prefix per
 record, ``<prefix>SIZE`` the row width), and the codes of torch dtypes (element types, tensor lrs,
-compact encodings) with the params each master completes."""
+compact encodings) with the params each master completes and its description for messages."""
 import torch
 import triton.language as tl
 
@@ -56,6 +56,7 @@ MOMENT_KIND_OF_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, tor
 EXP_AVG_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 EXP_AVG_SQ_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 MASTER_PARAM_DTYPES = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
+MASTER_DESCRIPTIONS = {torch.float32: 'float32 (fp32 master)', torch.int16: 'int16 (split16 low halves)', torch.int8: 'int8 (split8 residuals)'}
 
 # _contract.UPDATE_TENSOR
 U_PARAM = tl.constexpr(0)

@@ -118,7 +118,7 @@ def test_split16_refuses_fp16_params():
     with pytest.raises(ValueError, match="split8"):
         ampfused.FusedAmpAdamW(params, master_weights="split16")
     opt = ampfused.FusedAmpAdamW(opt_params(), master_weights="split16")
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match=re.escape("int16 (split16 low halves), which needs a bfloat16 param")):
         opt.add_param_group({"params": [params[-1]]})
     ampfused.FusedAmpAdamW(params, master_weights="split8")  # fp16 params take split8
 
@@ -126,7 +126,7 @@ def test_split16_refuses_fp16_params():
 def test_functional_api_checks_compact_lists():
     p = torch.randn(4096, device=DEVICE).half()
     z = torch.zeros(4096, device=DEVICE)
-    with pytest.raises(ValueError, match="split16 needs bf16"):
+    with pytest.raises(ValueError, match=re.escape("is int16 (split16 low halves), which needs a bfloat16 param")):
         ampfused.functional.fused_amp_adamw([p], [p.clone()], [z], [z.clone()], [None], [torch.zeros(())],
                                             [torch.zeros(4096, dtype=torch.int16)], lr=1e-3, beta1=0.9, beta2=0.999,
                                             eps=1e-8, weight_decay=0.0)

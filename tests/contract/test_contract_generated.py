@@ -107,6 +107,11 @@ CPP_NAMES, CPP_STRUCTS = _cpp_names()
 # the C++ names of the codes a dtype maps to (DTYPE_, LR_, MASTER_, MOMENT_)
 CPP_CODES = [cpp for name, (cpp, _, _) in _contract.SHARED.items() if name.startswith(("DTYPE_", "LR_", "MASTER_", "MOMENT_"))]
 HASH_CONSTANTS = [f"{getattr(_contract, name):X}" for name in _contract.SHARED if name.startswith("SR_")]
+# how a message describes a master encoding: its dtype with its mode ("int16 (split16"), or what a split one holds
+# ("split8 residuals"); in C++ master_description / kMasterDtypeNames say it (a mode's name alone is a label)
+MASTER_WORDS = [r"%s\s*\(\s*%s\b" % (str(dtype).removeprefix("torch."), re.escape(mode))
+                for mode, (dtype, _, _, _) in _contract.MASTER_ENCODINGS.items()]
+MASTER_WORDS += [re.escape(_contract.MASTER_ENCODINGS[mode][3]) for mode in _contract.MASTER_PARAM_DTYPES]
 # (what, pattern, which files, read without comments)
 RULES = [
     ("defines a contract constant",
@@ -124,6 +129,8 @@ RULES = [
      re.compile(r"torch\.\w+\s*:\s*(?:int\(\s*)?(?:DTYPE|LR|MASTER|MOMENT)_[A-Z0-9]+\b"), "py", True),
     ("maps an ATen dtype to a code by hand (use contract_aten_generated.h)",
      re.compile(r"\b(?:at|c10)::(?:k[A-Z]\w*|ScalarType::\w+)\b[^;{}]*?\b(?:%s)\b" % _alternatives(CPP_CODES)), "cpp", True),
+    ("describes a master encoding by hand (use master_description or kMasterDtypeNames)",
+     re.compile(r'"[^"\n]*\b(?:%s)[^"\n]*"' % "|".join(MASTER_WORDS)), "cpp", True),
     ("compares a dtype code with a number", re.compile(r"\w*dtype\w*\s*==\s*[0-2]\b"), "all", True),
     ("spells a code grid", re.compile(r"\(\s*3\s*,\s*120\s*\)|\(\s*4\s*,\s*240\s*\)|tl\.constexpr\(\s*(?:120|240|256|4096)\s*\)"),
      "all", True),
@@ -168,8 +175,14 @@ def test_rules_catch_what_they_should():
     assert hits("switch (t.scalar_type()) {\n    case at::kHalf: return kF16;", "cpp")
     assert hits("group.lr_kind = t == at::kDouble ? kLrF64 : kLrF32;", "cpp")
     assert hits("case c10::ScalarType::Short: return kMasterSplit16;", "cpp")
+    assert hits('kind == kMasterSplit16 ? "int16 (split16 low halves)" : "int8 (split8 residuals)", ", which needs a ",', "cpp")
+    assert hits('TORCH_CHECK(kind >= 0, "masters must be float32 (fp32 master) or int8 (split8)");', "cpp")
     assert not hits("TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == kStatsSize, \"stats\");", "cpp")
     assert not hits("const int32_t kind = exp_avg_kind_of(t.scalar_type());\nif (kind == kMomentInt8) {}", "cpp")
+    assert not hits('"ampfused: masters[", i, "] is ", master_description(kind),\n", which needs a ", master_param_dtypes(kind)',
+                    "cpp")
+    assert not hits('// an int16 master holds split16 low halves\nif (t.master_kind == kMasterSplit16) {}', "cpp")
+    assert not hits('{"split8 (fp16)", kMasterSplit8, kMomentF32, kF16, false},', "cpp")  # a label
     assert not hits("kind = EXP_AVG_KIND_OF_DTYPE.get(m.dtype, int(MOMENT_F32))", "py")
     assert not hits("x = SKIP + 1  # slot 256 // 256", "py")
     assert not hits("if lr_kind == LR_F16:\nfirst // INT8_BLOCK", "py")
