@@ -60,6 +60,9 @@ def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float |
     threads = requested or max(1, min(cores, math.floor(free + 0.3)))
     why = "--threads" if requested else "the free cores; --threads N to choose"
     line = f"threads: {threads} of {cores} cores ({why}); {seen}"
+    if threads < cores and not requested:
+        # ampfused gains more from extra threads than torch does: an idle default run's speedups are larger
+        line += f"; these ratios are {threads}-thread ones: compare them with `--threads {threads}` runs, not with an idle default run"
     untrusted = ""
     if free < 0.7:
         untrusted = f"{seen}: no thread count fits the free cores, so the timings are not to be trusted"

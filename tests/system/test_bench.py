@@ -359,6 +359,7 @@ def test_threads_follow_the_free_cores(monkeypatch, requested, other, threads, t
     got, line, untrusted = environment.pick_threads(requested, other=other)
     assert got == threads and line.startswith(f"threads: {threads} of 2 cores") and f"kept {other:.2f} of 2" in line
     assert (untrusted == "") == trusted and (trusted or "not to be trusted" in untrusted)
+    assert (f"compare them with `--threads {threads}` runs" in line) == (threads < 2 and requested is None)
 
 
 def test_bench_header_names_the_threads_and_the_load(tmp_path):
