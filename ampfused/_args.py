@@ -45,15 +45,16 @@ def check_number(value, name: str, tensor_ok: bool = False) -> None:
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    """torch.optim.AdamW's checks (same messages), for the defaults and every param group."""
+    """torch.optim.AdamW's checks, for the defaults and every param group: torch's message first (its own
+    tests match it as a prefix), then the argument it names."""
     check_hyperparameter_types(lr, betas, eps, weight_decay)
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
     elif not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate (lr): {lr}")
+        raise ValueError(f"Invalid learning rate: {lr} (lr)")
     if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value (eps): {eps}")
+        raise ValueError(f"Invalid epsilon value: {eps} (eps)")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch's rule, and its message
@@ -65,7 +66,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
             beta = beta.item()
         if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i} (betas[{i}]): {beta}")
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta} (betas[{i}])")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 

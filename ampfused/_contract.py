@@ -304,6 +304,15 @@ class Hyper(NamedTuple):
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
 
 
+def row_lr(lr: float | Tensor) -> float | Tensor:
+    """A group row's lr: a float, or a tensor lr as a 0-d view of itself (same storage, so in-place
+    updates and CUDA-graph replays still read it), as torch's ``_to_scalar`` squeezes one before the
+    step: a ``[1, 1]`` lr then broadcasts into a 1-d param instead of widening it."""
+    if isinstance(lr, Tensor):
+        return lr if lr.dim() == 0 else lr.view(())
+    return float(lr)
+
+
 def lr_kind(lr: float | Tensor, device: torch.device) -> int:
     """[note: lr kinds] How the kernels of a step on ``device`` read a group row's lr (``Hyper.lr``).
 

@@ -10,7 +10,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor
 from ._args import check_grad, check_no_overlap
-from ._contract import Batch, Hyper, is_dense
+from ._contract import Batch, Hyper, is_dense, row_lr
 from ._state import master_of, moment_key, scales_of, wide_indices
 
 
@@ -166,8 +166,7 @@ class StepPlan:
         groups = []
         for group in self.stepping_groups:  # the group rows: converted here, once per step
             beta1, beta2 = (float(_as_float(b)) for b in group["betas"])
-            lr = group["lr"]
-            groups.append(Hyper(lr if isinstance(lr, Tensor) else float(lr), beta1, beta2, float(group["eps"]),
+            groups.append(Hyper(row_lr(group["lr"]), beta1, beta2, float(group["eps"]),
                                 float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"])))
         return groups
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper, compact_modes, finish_, is_dense
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper, compact_modes, finish_, is_dense, row_lr
 from ._state import wide_indices
 
 class Scratch:
@@ -153,10 +153,9 @@ def group_hypers(hypers: Sequence[Hyper]) -> tuple[list[int], list[Hyper]]:
     group_ids: list[int] = []
     for h in hypers:
         lr_is_tensor = isinstance(h.lr, Tensor)
-        lr = h.lr if lr_is_tensor else float(h.lr)
-        row = Hyper(lr, float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.amsgrad),
+        row = Hyper(row_lr(h.lr), float(h.beta1), float(h.beta2), float(h.eps), float(h.weight_decay), bool(h.amsgrad),
                     bool(h.maximize))  # the group row, converted here once
-        key = (id(lr) if lr_is_tensor else lr, lr_is_tensor, *row[1:])
+        key = (id(h.lr) if lr_is_tensor else row.lr, lr_is_tensor, *row[1:])  # (the caller's tensor: row.lr is a new view)
         g = index.get(key)
         if g is None:
             g = index[key] = len(groups)

@@ -1,5 +1,7 @@
-"""PyTorch's own optimizer checks with FusedAmpAdamW in AdamW's place, on each backend.
+"""A replay of PyTorch's optimizer checks with FusedAmpAdamW in AdamW's place, on each backend.
 
+PyTorch's real ``test/test_optim.py`` runs through ``benchmarks/torch_test_optim.py`` (given a copy
+of the file); this replay needs none and compares every result with ``torch.optim.AdamW``.
 torch's ``test/test_optim.py`` is not shipped in the wheel; ``torch.testing._internal.common_optimizers``
 is (it needs the ``expecttest`` package). This runner takes AdamW's ``OptimizerInfo`` from ``optim_db``
 and replays the generic checks test_optim.py runs for it, over every kwargs combination of its
@@ -327,7 +329,7 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(f"# PyTorch's optimizer checks with FusedAmpAdamW (torch {torch.__version__})\n\n"
-                    "`python -m benchmarks.torch_optim_suite --markdown docs/results/torch-optim-suite.md`\n\n" + text + "\n")
+                    f"`python -m benchmarks.torch_optim_suite --markdown {args.markdown}`\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

@@ -55,13 +55,15 @@ def test_param_groups_with_own_hyperparameters(backend, device):
     assert_states_close(ref, ref_params, amp, amp_params, backend)
 
 
-def test_tensor_lr(backend, device):
-    # capturable keeps torch's tensor-lr path free of .item(); results are the same AdamW
-    options = dict(lr=torch.tensor(4e-3))
+@pytest.mark.parametrize("lr_shape", [(), (1,), (1, 1)], ids=["0d", "1d", "2d"])
+def test_tensor_lr(backend, device, lr_shape):
+    # capturable keeps torch's tensor-lr path free of .item(); results are the same AdamW. Any
+    # 1-element shape: torch squeezes a tensor lr to 0-d before it meets the params (_to_scalar), so a
+    # [1, 1] lr steps 1-d params too (torch's test_optim test_tensor_lr, num_dim=2; issue 26 item 5)
     base = make_params(SHAPES, device=device)
     ref_params, amp_params = clone_params(base), clone_params(base)
-    ref = torch.optim.AdamW(ref_params, lr=torch.tensor(4e-3))
-    amp = ampfused.FusedAmpAdamW(amp_params, backend=backend, **options)
+    ref = torch.optim.AdamW(ref_params, lr=torch.tensor(4e-3).reshape(lr_shape))
+    amp = ampfused.FusedAmpAdamW(amp_params, backend=backend, lr=torch.tensor(4e-3).reshape(lr_shape))
     for step in range(STEPS):
         for pr, pa, g in zip(ref_params, amp_params, random_grads(base, step)):
             pr.grad, pa.grad = g.clone(), g.clone()
@@ -96,10 +98,13 @@ def test_state_is_lazy_and_flat(backend, device):
         assert state["step"].device == p.device and state["step"].dtype == torch.float32
 
 
-def test_functional_api_matches_class(backend, device):
+@pytest.mark.parametrize("lr_kind", ["float", "tensor_2d"])
+def test_functional_api_matches_class(backend, device, lr_kind):
+    # tensor_2d: a [1, 1] lr, squeezed as torch squeezes it, in the functional API's grouping too
+    lr = 1e-2 if lr_kind == "float" else torch.tensor([[1e-2]], device=device)
     params = make_params(SHAPES, device=device)
     twin = clone_params(params)
-    opt = ampfused.FusedAmpAdamW(twin, lr=1e-2, backend=backend, max_grad_norm=1.0)
+    opt = ampfused.FusedAmpAdamW(twin, lr=lr, backend=backend, max_grad_norm=1.0)
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
     steps = [torch.zeros((), device=device) for _ in params]
@@ -110,7 +115,7 @@ def test_functional_api_matches_class(backend, device):
         opt.step()
         with torch.no_grad():
             norm, skipped = ampfused.functional.fused_amp_adamw(
-                params, grads, exp_avgs, exp_avg_sqs, [None] * len(params), steps, lr=1e-2, beta1=0.9, beta2=0.999,
+                params, grads, exp_avgs, exp_avg_sqs, [None] * len(params), steps, lr=lr, beta1=0.9, beta2=0.999,
                 eps=1e-8, weight_decay=1e-2, max_grad_norm=1.0, backend=backend)
         assert skipped.item() == 0
         torch.testing.assert_close(norm, opt.grad_norm)

@@ -27,6 +27,18 @@ def test_invalid_hyperparameters(kwargs, match):
         ampfused.FusedAmpAdamW([param(3)], **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(eps=-1e-8), dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.1)),
+                                    dict(weight_decay=-0.1), dict(betas=(0.9, torch.tensor(0.99)))],
+                         ids=["lr", "eps", "beta1", "beta2", "weight_decay", "beta_kinds"])
+def test_invalid_hyperparameters_give_torchs_message(kwargs):
+    """torch's own test_optim (test_errors) matches torch's message: ours starts with it (issue 26 item 5)."""
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.AdamW([param(3)], **kwargs)
+    with pytest.raises(ValueError) as ours:
+        ampfused.FusedAmpAdamW([param(3)], **kwargs)
+    assert str(ours.value).startswith(str(theirs.value)), (str(ours.value), str(theirs.value))
+
+
 WRONG_TYPES = [
     (dict(lr="3e-4"), "lr must be a float or a 1-element Tensor, got str '3e-4'"),
     (dict(lr=None), "lr must be a float or a 1-element Tensor, got NoneType"),
