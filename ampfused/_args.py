@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
-from ._contract import INT8_BLOCK, KERNEL_DTYPES, MASTER_MODE_OF_DTYPE, check_master_weights, is_dense, master_mismatch
+from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights, is_dense,
+                        master_mismatch)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -245,7 +246,7 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
         if why is not None:
             raise ValueError(f"master_params[{i}] is {why}, but params[{i}] is {p.dtype}")
         if master is not None and mode is None:
-            raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected float32, int16 (split16) or int8 (split8)")
+            raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected {MASTER_DTYPE_NAMES}")
         scales = moment_scales[i] if moment_scales is not None else None
         if m.dtype == torch.int8:
             if v.dtype != torch.uint8 or (vmax is not None and vmax.dtype != torch.uint8):

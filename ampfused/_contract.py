@@ -139,7 +139,8 @@ MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.it
 
 
 def dtype_names(dtypes) -> str:
-    """"a", "a or b", "a, b or c": torch dtypes by name (``bfloat16``) for a message, as the generated C++ spells them."""
+    """"a", "a or b", "a, b or c": torch dtypes by name (``bfloat16``), or names already spelled, for a message (as
+    the generated C++ spells them)."""
     names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
@@ -147,6 +148,10 @@ def dtype_names(dtypes) -> str:
 # Each master encoding for messages, its buffer's dtype and what it holds: "int16 (split16 low halves)"
 # (C++: master_description in csrc/contract_aten_generated.h; Triton: MASTER_DESCRIPTIONS by buffer dtype).
 MASTER_DESCRIPTIONS = {mode: f"{dtype_names([dtype])} ({holds})" for mode, (dtype, _, _, holds) in MASTER_ENCODINGS.items()}
+# The master buffers a step takes, for a message: "float32 (fp32 master), int16 (split16) or int8 (split8)"
+# (C++: kMasterDtypeNames).
+MASTER_DTYPE_NAMES = dtype_names(f"{dtype_names([dtype])} ({'fp32 master' if code == MASTER_F32 else mode})"
+                                 for mode, (dtype, code, _, _) in MASTER_ENCODINGS.items())
 
 
 def master_mismatch(mode: str, param_dtype) -> str | None:
@@ -176,7 +181,7 @@ def master_encoding(master: Tensor | None) -> str:
         return "none"
     mode = MASTER_MODE_OF_DTYPE.get(master.dtype)
     if mode is None:
-        raise TypeError(f"a master must be float32 (fp32 master), int16 (split16) or int8 (split8), got {master.dtype}")
+        raise TypeError(f"a master must be {MASTER_DTYPE_NAMES}, got {master.dtype}")
     return mode
 
 

@@ -124,11 +124,9 @@ def _aten_tables(c) -> list[str]:
               for mode, (_, code, _, _) in c.MASTER_ENCODINGS.items()]
     lines += ['    default: return "";', "  }", "}", ""]
     # message lists of the dtypes each table holds
-    kinds = [f"{c.dtype_names([dtype])} ({'fp32 master' if code == c.MASTER_F32 else mode})"
-             for mode, (dtype, code, _, _) in c.MASTER_ENCODINGS.items()]
     lines += ["// the dtypes of DTYPE_CODE and MASTER_ENCODINGS, for messages",
               f'constexpr const char* kKernelDtypeNames = "{c.dtype_names(c.DTYPE_CODE)}";',
-              f'constexpr const char* kMasterDtypeNames = "{", ".join(kinds[:-1])} or {kinds[-1]}";']
+              f'constexpr const char* kMasterDtypeNames = "{c.MASTER_DTYPE_NAMES}";']
     return lines
 
 
