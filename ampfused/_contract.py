@@ -146,12 +146,16 @@ def dtype_names(dtypes) -> str:
 
 
 # Each master encoding for messages, its buffer's dtype and what it holds: "int16 (split16 low halves)"
-# (C++: master_description in csrc/contract_aten_generated.h; Triton: MASTER_DESCRIPTIONS by buffer dtype).
+# (C++: master_description in csrc/contract_aten_generated.h).
 MASTER_DESCRIPTIONS = {mode: f"{dtype_names([dtype])} ({holds})" for mode, (dtype, _, _, holds) in MASTER_ENCODINGS.items()}
 # The master buffers a step takes, for a message: "float32 (fp32 master), int16 (split16) or int8 (split8)"
 # (C++: kMasterDtypeNames).
-MASTER_DTYPE_NAMES = dtype_names(f"{dtype_names([dtype])} ({'fp32 master' if code == MASTER_F32 else mode})"
-                                 for mode, (dtype, code, _, _) in MASTER_ENCODINGS.items())
+MASTER_DTYPE_NAMES = dtype_names(f"{dtype_names([dtype])} ({holds if code == MASTER_F32 else mode})"
+                                 for mode, (dtype, code, _, holds) in MASTER_ENCODINGS.items())
+# What each split master needs, for a message: "int16 (split16 low halves), which needs a bfloat16 param"
+# (C++: master_description + master_param_dtypes; Triton: MASTER_NEEDS by buffer dtype).
+MASTER_NEEDS = {mode: f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(dtypes)} param"
+                for mode, dtypes in MASTER_PARAM_DTYPES.items()}
 
 
 def master_mismatch(mode: str, param_dtype) -> str | None:
@@ -159,7 +163,7 @@ def master_mismatch(mode: str, param_dtype) -> str | None:
     None when it can: "int16 (split16 low halves), which needs a bfloat16 param", as the C++ op says it."""
     if mode not in MASTER_PARAM_DTYPES or param_dtype in MASTER_PARAM_DTYPES[mode]:
         return None
-    return f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(MASTER_PARAM_DTYPES[mode])} param"
+    return MASTER_NEEDS[mode]
 
 
 def check_master_weights(param: Tensor, master_weights: str) -> None:
@@ -314,6 +318,8 @@ def row_lr(lr: float | Tensor) -> float | Tensor:
     updates and CUDA-graph replays still read it), as torch's ``_to_scalar`` squeezes one before the
     step: a ``[1, 1]`` lr then broadcasts into a 1-d param instead of widening it."""
     if isinstance(lr, Tensor):
+        if lr.numel() != 1:  # the functional API and a group["lr"] set after construction come here unchecked
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         return lr if lr.dim() == 0 else lr.view(())
     return float(lr)
 

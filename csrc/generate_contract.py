@@ -158,8 +158,8 @@ def _triton_tables(c) -> dict[str, str]:
         # keyed by the master's stored dtype, as the rows see it
         "MASTER_PARAM_DTYPES": table((c.MASTER_ENCODINGS[mode][0], "(" + ", ".join(map(str, dtypes)) + ("," if len(dtypes) == 1 else "") + ")")
                                      for mode, dtypes in c.MASTER_PARAM_DTYPES.items()),
-        # each master for messages (_contract.MASTER_DESCRIPTIONS), keyed by its stored dtype too
-        "MASTER_DESCRIPTIONS": table((c.MASTER_ENCODINGS[mode][0], repr(text)) for mode, text in c.MASTER_DESCRIPTIONS.items()),
+        # what each split master needs, for messages (_contract.MASTER_NEEDS), keyed by its stored dtype too
+        "MASTER_NEEDS": table((c.MASTER_ENCODINGS[mode][0], repr(text)) for mode, text in c.MASTER_NEEDS.items()),
     }
 
 
@@ -173,7 +173,7 @@ def render_triton(c) -> str:
         lines.append(f"{name} = tl.constexpr({_py_value(getattr(c, name), ctype)})")
     # [note: one encoding decision]: the row codes of the dtypes (DTYPE_CODE, LR_KIND_OF_DTYPE,
     # MASTER_ENCODINGS, MOMENT_ENCODINGS), the params a master completes (MASTER_PARAM_DTYPES) and the
-    # masters' descriptions for messages (MASTER_DESCRIPTIONS)
+    # split masters' needs for messages (MASTER_NEEDS)
     lines += ["", "# the dtype tables of _contract"] + [f"{name} = {text}" for name, text in _triton_tables(c).items()]
     for record, (_, prefix) in c.RECORDS.items():
         lines += ["", f"# _contract.{record}"]

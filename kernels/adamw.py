@@ -34,7 +34,7 @@ from . import _compact_state as CS
 from ._contract_generated import (
     DTYPE_BF16, DTYPE_CODE, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
     G_LR_KIND, G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
-    LR_KIND_OF_DTYPE, MASTER_DESCRIPTIONS, MASTER_F32, MASTER_KIND_OF_DTYPE, MASTER_PARAM_DTYPES, EXP_AVG_KIND_OF_DTYPE,
+    LR_KIND_OF_DTYPE, MASTER_F32, MASTER_NEEDS, MASTER_KIND_OF_DTYPE, MASTER_PARAM_DTYPES, EXP_AVG_KIND_OF_DTYPE,
     EXP_AVG_SQ_KIND_OF_DTYPE, MOMENT_INT8, MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
     U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND,
     U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
@@ -488,8 +488,7 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
                         f"{None if vmax is None else vmax.dtype}; the Triton kernels take float32, bfloat16, or int8 / "
                         "uint8 / uint8 codes (one encoding per tensor)")
     if master is not None and master.dtype in _SPLIT_PARAMS and p.dtype not in _SPLIT_PARAMS[master.dtype]:
-        raise TypeError(f"masters[{i}] is {MASTER_DESCRIPTIONS[master.dtype]}, which needs a "
-                        f"{' or '.join(map(str, _SPLIT_PARAMS[master.dtype]))} param, but params[{i}] is {p.dtype}")
+        raise TypeError(f"masters[{i}] is {MASTER_NEEDS[master.dtype]}, but params[{i}] is {p.dtype}")
     addrs = [0, 0, 0]
     if kind == int(MOMENT_INT8):
         if scales is None or len(scales) != 3 or (scales[2] is None) != (vmax is None):

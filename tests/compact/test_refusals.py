@@ -74,9 +74,9 @@ def bad_entry(kernel, param_dtype=torch.bfloat16, exp_avg_dtype=torch.float32, e
 # (entry, changed lists, the compiled op's message, the Triton wrapper's)
 BAD_DTYPES = {
     "int16 master, fp16 param": (dict(param_dtype=torch.float16), dict(masters=[torch.int16]),
-                                 "int16 (split16 low halves), which needs a bfloat16 param", "split16"),
+                                 *["int16 (split16 low halves), which needs a bfloat16 param"] * 2),
     "int8 master, fp32 param": (dict(param_dtype=torch.float32), dict(masters=[torch.int8]),
-                                "int8 (split8 residuals), which needs a bfloat16 or float16 param", "split8"),
+                                *["int8 (split8 residuals), which needs a bfloat16 or float16 param"] * 2),
     "int16 master, fp32 param": (dict(param_dtype=torch.float32), dict(masters=[torch.int16]), "split16", "split16"),
     "int32 master": ({}, dict(masters=[torch.int32]), "must be float32 (fp32 master), int16 (split16) or int8 (split8)",
                      "master"),

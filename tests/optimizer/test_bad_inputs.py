@@ -63,6 +63,30 @@ def test_hyperparameters_of_the_wrong_type_name_it_and_the_type(kwargs, match):
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("path", ["functional", "group lr set after construction"])
+def test_a_tensor_lr_of_two_elements_is_refused_by_name_and_writes_nothing(backend, path):
+    from ampfused.functional import fused_amp_adamw
+
+    lr = torch.tensor([1e-3, 1e-3])
+    params = [torch.randn(4), torch.randn(3)]
+    grads = [torch.ones_like(p) for p in params]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    before = [t.clone() for t in params + m + v + steps]
+    with pytest.raises(ValueError, match=r"Tensor lr must be 1-element, got shape \(2,\)"):
+        if path == "functional":
+            fused_amp_adamw(params, grads, m, v, [None, None], steps, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.0, backend=backend)
+        else:
+            weights = [torch.nn.Parameter(p) for p in params]
+            opt = ampfused.FusedAmpAdamW(weights, lr=1e-3, backend=backend)
+            for w, g in zip(weights, grads):
+                w.grad = g
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params + m + v + steps))
+
+
 def test_numpy_and_int_hyperparameters_are_numbers():
     import numpy as np
 
