@@ -15,6 +15,7 @@ the NaN guard's pass goes".
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -82,4 +83,8 @@ def main(total: int = 4_000_000, rounds: int = 40) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--total", type=int, default=4_000_000, help="params in all (default: 4M, GPT-2-like shapes)")
+    parser.add_argument("--rounds", type=int, default=40, help="alternating timed steps per thread count (default: 40)")
+    args = parser.parse_args()
+    main(args.total, args.rounds)
