@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 CUDA_ENTRY = ("csrc/ops.cpp", "csrc/ops_common.cpp", "csrc/cuda/ops_cuda.cpp", "csrc/cuda/passes.cu")
 
 
-def trace_step(backend: str) -> dict[str, set[int]]:
+def trace_step(backend: str, optimizer_only: bool = False) -> dict[str, set[int]]:
     import torch
 
     import ampfused
@@ -53,10 +53,15 @@ def trace_step(backend: str) -> dict[str, set[int]]:
         ran.setdefault(os.path.relpath(path, ROOT), set()).add(frame.f_lineno)
         return tracer
 
+    if optimizer_only:  # opt.step() as scaler.step calls it: the loss scale handed over (torch's protocol)
+        opt.grad_scale = scaler.get_scale() * torch.ones((), device="cpu")
     sys.settrace(tracer)
     try:
-        scaler.step(opt)
-        scaler.update()
+        if optimizer_only:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
     finally:
         sys.settrace(None)
     return ran
@@ -95,12 +100,14 @@ def report(title: str, ran: dict[str, set[int]], extra: list[str] = ()) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args()
+    parser.add_argument("--optimizer-only", action="store_true",
+                        help="trace opt.step() alone (no GradScaler step or update), the path the optimizer's reader follows")
+    args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         print("set TRITON_INTERPRET=1: the Triton step is traced through the interpreter", file=sys.stderr)
         return 2
-    report("triton step", trace_step("triton"))
-    report("compiled step (Python on the cpu backend; the CUDA sources it launches)", trace_step("cpu"),
+    report("triton step", trace_step("triton", args.optimizer_only))
+    report("compiled step (Python on the cpu backend; the CUDA sources it launches)", trace_step("cpu", args.optimizer_only),
            included(CUDA_ENTRY))
     return 0
 
