@@ -86,6 +86,9 @@ def test_split16_ties_through_the_optimizer(backend, rounded_up):
     assert torch.equal(C.join16(p.detach(), opt.state[p]["master_low16"]), C.join16(*C.split16(fp32.state[q]["master_param"])))
 
 
+LOSSY_STEPS = 6
+
+
 @pytest.mark.parametrize("master_weights,state_dtype,stochastic", [m + (False,) for m in OPT_LOSSY] + [
     (False, torch.bfloat16, True), ("split8", torch.bfloat16, True)])
 def test_lossy_mode_is_the_reference_run_of_that_mode(backend, master_weights, state_dtype, stochastic):
@@ -96,7 +99,7 @@ def test_lossy_mode_is_the_reference_run_of_that_mode(backend, master_weights, s
         params = opt_params()
         opt = ampfused.FusedAmpAdamW(params, backend=name, **kw)
         torch.manual_seed(7)  # the rounding seeds
-        run_steps(opt, params, 8)
+        run_steps(opt, params, LOSSY_STEPS)  # step 4 has an inf: a skip inside the run
         runs.append((opt, params))
     (opt, params), (ref, ref_params) = runs
     if not serves_natively(backend, modes_needed(master_weights, state_dtype, stochastic)):
@@ -114,15 +117,15 @@ def test_lossy_mode_is_the_reference_run_of_that_mode(backend, master_weights, s
         return
     # a native variant: fp32 arithmetic in another order (and its own random bits) moves a code or a
     # bf16 ulp here and there; the decoded state stays within the encodings' resolution
-    # a param without master under SR is rounded with other random bits at each of the 8 steps: the
+    # a param without master under SR is rounded with other random bits at each of the steps: the
     # two runs walk apart by up to one bf16 ulp (2^-7 relative) per step
-    rtol = 8 * 2**-7 if stochastic and master_weights is False else 2e-2
+    rtol = LOSSY_STEPS * 2**-7 if stochastic and master_weights is False else 2e-2
     for p, q, s, t in zip(params, ref_params, full_state(opt, params), full_state(ref, ref_params)):
         torch.testing.assert_close(p.float(), q.float(), rtol=rtol, atol=1e-3)
         for key in s:
-            # with SR the two runs' moments take other random roundings at each step: up to 8 bf16 ulps of
+            # with SR the two runs' moments take other random roundings at each step: up to a bf16 ulp a step of
             # the tensor's scale apart (an element near zero has a tiny ulp but inherits the earlier ones)
-            atol = 8 * 2**-8 * t[key].float().abs().max().item() if stochastic else 1e-6
+            atol = LOSSY_STEPS * 2**-8 * t[key].float().abs().max().item() if stochastic else 1e-6
             torch.testing.assert_close(s[key].float(), t[key].float(), rtol=1.5e-1, atol=atol, msg=key)
 
 
