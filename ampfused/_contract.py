@@ -158,6 +158,15 @@ MASTER_NEEDS = {mode: f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(
                 for mode, dtypes in MASTER_PARAM_DTYPES.items()}
 
 
+# The moment buffers a step takes, for a message: "float32, bfloat16 or int8 / uint8 codes" (exp_avg's
+# dtype / exp_avg_sq's where they differ); FLOAT_MOMENT_DTYPE_NAMES without the codes. (C++:
+# kMomentDtypeNames, kFloatMomentDtypeNames; Triton: MOMENT_DTYPE_NAMES.)
+MOMENT_DTYPE_NAMES, FLOAT_MOMENT_DTYPE_NAMES = (
+    dtype_names(dtype_names([a]) if a == b else f"{dtype_names([a])} / {dtype_names([b])} codes"
+                for (a, b), _ in MOMENT_ENCODINGS.values() if a.is_floating_point or not floats_only)
+    for floats_only in (False, True))
+
+
 def master_mismatch(mode: str, param_dtype) -> str | None:
     """Why a master of ``mode`` cannot complete a param of ``param_dtype`` (``MASTER_PARAM_DTYPES``), or
     None when it can: "int16 (split16 low halves), which needs a bfloat16 param", as the C++ op says it."""

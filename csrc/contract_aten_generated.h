@@ -92,8 +92,10 @@ inline const char* master_description(int32_t master_kind) {
   }
 }
 
-// the dtypes of DTYPE_CODE and MASTER_ENCODINGS, for messages
+// the dtypes of DTYPE_CODE, MASTER_ENCODINGS and MOMENT_ENCODINGS (all, or the float ones), for messages
 constexpr const char* kKernelDtypeNames = "float32, float16 or bfloat16";
 constexpr const char* kMasterDtypeNames = "float32 (fp32 master), int16 (split16) or int8 (split8)";
+constexpr const char* kMomentDtypeNames = "float32, bfloat16 or int8 / uint8 codes";
+constexpr const char* kFloatMomentDtypeNames = "float32 or bfloat16";
 
 }  // namespace ampfused

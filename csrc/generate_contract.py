@@ -124,9 +124,11 @@ def _aten_tables(c) -> list[str]:
               for mode, (_, code, _, _) in c.MASTER_ENCODINGS.items()]
     lines += ['    default: return "";', "  }", "}", ""]
     # message lists of the dtypes each table holds
-    lines += ["// the dtypes of DTYPE_CODE and MASTER_ENCODINGS, for messages",
+    lines += ["// the dtypes of DTYPE_CODE, MASTER_ENCODINGS and MOMENT_ENCODINGS (all, or the float ones), for messages",
               f'constexpr const char* kKernelDtypeNames = "{c.dtype_names(c.DTYPE_CODE)}";',
-              f'constexpr const char* kMasterDtypeNames = "{c.MASTER_DTYPE_NAMES}";']
+              f'constexpr const char* kMasterDtypeNames = "{c.MASTER_DTYPE_NAMES}";',
+              f'constexpr const char* kMomentDtypeNames = "{c.MOMENT_DTYPE_NAMES}";',
+              f'constexpr const char* kFloatMomentDtypeNames = "{c.FLOAT_MOMENT_DTYPE_NAMES}";']
     return lines
 
 
@@ -158,6 +160,8 @@ def _triton_tables(c) -> dict[str, str]:
         # keyed by the master's stored dtype, as the rows see it
         "MASTER_PARAM_DTYPES": table((c.MASTER_ENCODINGS[mode][0], "(" + ", ".join(map(str, dtypes)) + ("," if len(dtypes) == 1 else "") + ")")
                                      for mode, dtypes in c.MASTER_PARAM_DTYPES.items()),
+        # the moment buffers a step takes, for messages (_contract.MOMENT_DTYPE_NAMES)
+        "MOMENT_DTYPE_NAMES": repr(c.MOMENT_DTYPE_NAMES),
         # what each split master needs, for messages (_contract.MASTER_NEEDS), keyed by its stored dtype too
         "MASTER_NEEDS": table((c.MASTER_ENCODINGS[mode][0], repr(text)) for mode, text in c.MASTER_NEEDS.items()),
     }

@@ -34,11 +34,6 @@ void check_like(const at::Tensor& t, const at::Tensor& param, const char* what, 
               "] (both contiguous, or the same sizes and strides)");
 }
 
-void check_fp32_like(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
-  check_like(t, param, what, i);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "ampfused: ", what, "[", i, "] must be float32, got ", t.scalar_type());
-}
-
 // A moment buffer: float32, bfloat16 (state_dtype=torch.bfloat16), or with `int8_ok` int8 codes
 // (exp_avg) / uint8 codes (exp_avg_sq, max_exp_avg_sq) of state_dtype="int8".
 int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, bool int8_ok) {
@@ -52,7 +47,7 @@ int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char*
     TORCH_CHECK(kind == kMomentInt8, "ampfused: ", what, "[", i, "] is ", t.scalar_type(),
                 ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
   }
-  TORCH_CHECK(kind >= 0, "ampfused: ", what, "[", i, "] must be float32, bfloat16", int8_ok ? " or int8/uint8 codes" : "",
+  TORCH_CHECK(kind >= 0, "ampfused: ", what, "[", i, "] must be ", int8_ok ? kMomentDtypeNames : kFloatMomentDtypeNames,
               ", got ", t.scalar_type());
   return kind;
 }

@@ -56,6 +56,7 @@ MOMENT_KIND_OF_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, tor
 EXP_AVG_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 EXP_AVG_SQ_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 MASTER_PARAM_DTYPES = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
+MOMENT_DTYPE_NAMES = 'float32, bfloat16 or int8 / uint8 codes'
 MASTER_NEEDS = {torch.int16: 'int16 (split16 low halves), which needs a bfloat16 param', torch.int8: 'int8 (split8 residuals), which needs a bfloat16 or float16 param'}
 
 # _contract.UPDATE_TENSOR

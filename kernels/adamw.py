@@ -35,7 +35,7 @@ from ._contract_generated import (
     DTYPE_BF16, DTYPE_CODE, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR,
     G_LR_KIND, G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
     LR_KIND_OF_DTYPE, MASTER_F32, MASTER_NEEDS, MASTER_KIND_OF_DTYPE, MASTER_PARAM_DTYPES, EXP_AVG_KIND_OF_DTYPE,
-    EXP_AVG_SQ_KIND_OF_DTYPE, MOMENT_INT8, MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
+    EXP_AVG_SQ_KIND_OF_DTYPE, MOMENT_DTYPE_NAMES, MOMENT_INT8, MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
     U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND,
     U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32
@@ -485,8 +485,8 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
     kind = _STATE_KINDS.get((m.dtype, v.dtype))
     if kind is None or (vmax is not None and vmax.dtype != v.dtype):
         raise TypeError(f"exp_avgs[{i}] / exp_avg_sqs[{i}] / max_exp_avg_sqs[{i}] have dtypes {m.dtype} / {v.dtype} / "
-                        f"{None if vmax is None else vmax.dtype}; the Triton kernels take float32, bfloat16, or int8 / "
-                        "uint8 / uint8 codes (one encoding per tensor)")
+                        f"{None if vmax is None else vmax.dtype}; the Triton kernels take {MOMENT_DTYPE_NAMES} "
+                        "(one encoding per tensor)")
     if master is not None and master.dtype in _SPLIT_PARAMS and p.dtype not in _SPLIT_PARAMS[master.dtype]:
         raise TypeError(f"masters[{i}] is {MASTER_NEEDS[master.dtype]}, but params[{i}] is {p.dtype}")
     addrs = [0, 0, 0]

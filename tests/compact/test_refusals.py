@@ -8,6 +8,7 @@ import torch
 
 import ampfused
 from ampfused import _compact as C
+from ampfused._contract import MOMENT_DTYPE_NAMES
 from helpers import DEVICE, assert_same_state, clone_compact, opt_params, same_bits, stats_vector, update_
 from helpers import update_lists
 
@@ -85,6 +86,8 @@ BAD_DTYPES = {
     "uint8 exp_avg codes": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), {},
                             "keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes", "int8"),
     "mixed moment dtypes": (dict(exp_avg_dtype=torch.bfloat16), {}, "a tensor's moments share one dtype", "dtype"),
+    "fp16 moments": (dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16), {},
+                     f"must be {MOMENT_DTYPE_NAMES}, got Half", "exp_avgs[0] has dtype torch.float16"),
 }
 
 
