@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
-from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights, is_dense,
-                        master_mismatch)
+from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights,
+                        check_tensor_lr, is_dense, master_mismatch)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -50,8 +50,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
     tests match it as a prefix), then the argument it names."""
     check_hyperparameter_types(lr, betas, eps, weight_decay)
     if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        check_tensor_lr(lr)
     elif not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr} (lr)")
     if not 0.0 <= eps:
@@ -242,7 +241,7 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
     for i, p in enumerate(params):
         master, m, v, vmax = masters[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i]
         mode = None if master is None else MASTER_MODE_OF_DTYPE.get(master.dtype)
-        why = None if mode is None else master_mismatch(mode, p.dtype)
+        why = master_mismatch(mode, p.dtype)  # None for no master, or one that completes the param
         if why is not None:
             raise ValueError(f"master_params[{i}] is {why}, but params[{i}] is {p.dtype}")
         if master is not None and mode is None:

@@ -161,10 +161,13 @@ MASTER_NEEDS = {mode: f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(
 # The moment buffers a step takes, for a message: "float32, bfloat16 or int8 / uint8 codes" (exp_avg's
 # dtype / exp_avg_sq's where they differ); FLOAT_MOMENT_DTYPE_NAMES without the codes. (C++:
 # kMomentDtypeNames, kFloatMomentDtypeNames; Triton: MOMENT_DTYPE_NAMES.)
-MOMENT_DTYPE_NAMES, FLOAT_MOMENT_DTYPE_NAMES = (
-    dtype_names(dtype_names([a]) if a == b else f"{dtype_names([a])} / {dtype_names([b])} codes"
-                for (a, b), _ in MOMENT_ENCODINGS.values() if a.is_floating_point or not floats_only)
-    for floats_only in (False, True))
+def _moment_dtype_names(floats_only: bool) -> str:
+    return dtype_names(dtype_names([a]) if a == b else f"{dtype_names([a])} / {dtype_names([b])} codes"
+                       for (a, b), _ in MOMENT_ENCODINGS.values() if a.is_floating_point or not floats_only)
+
+
+MOMENT_DTYPE_NAMES = _moment_dtype_names(floats_only=False)
+FLOAT_MOMENT_DTYPE_NAMES = _moment_dtype_names(floats_only=True)
 
 
 def master_mismatch(mode: str, param_dtype) -> str | None:
@@ -322,13 +325,18 @@ class Hyper(NamedTuple):
         return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
 
 
+def check_tensor_lr(lr: Tensor) -> None:
+    """torch's rule for a tensor lr: one element, of any shape."""
+    if lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+
+
 def row_lr(lr: float | Tensor) -> float | Tensor:
     """A group row's lr: a float, or a tensor lr as a 0-d view of itself (same storage, so in-place
     updates and CUDA-graph replays still read it), as torch's ``_to_scalar`` squeezes one before the
     step: a ``[1, 1]`` lr then broadcasts into a 1-d param instead of widening it."""
     if isinstance(lr, Tensor):
-        if lr.numel() != 1:  # the functional API and a group["lr"] set after construction come here unchecked
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+        check_tensor_lr(lr)  # the functional API and a group["lr"] set after construction come here unchecked
         return lr if lr.dim() == 0 else lr.view(())
     return float(lr)
 
@@ -345,8 +353,7 @@ def lr_kind(lr: float | Tensor, device: torch.device) -> int:
     """
     if not isinstance(lr, Tensor):
         return LR_VALUE
-    if lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    check_tensor_lr(lr)
     if lr.device.type == "cpu" and device.type != "cpu":
         return LR_VALUE
     return LR_KIND_OF_DTYPE.get(lr.dtype, LR_F32) if lr.device == device else LR_F32
