@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from . import _backends, _dtensor
+from ._batch import check_tensor_lr
 from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights,
-                        check_tensor_lr, is_dense, master_mismatch)
+                        is_dense, master_mismatch)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex
@@ -233,7 +234,7 @@ def check_grad(p: Tensor, grad: Tensor) -> None:
 
 
 def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, moment_scales, rounding_seed) -> None:
-    """The functional API's compact state (encodings told by dtypes, ``_contract.Backend``): consistent per tensor."""
+    """The functional API's compact state (encodings told by dtypes, ``_backends.Backend``): consistent per tensor."""
     if rounding_seed is not None and (isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int)):
         raise TypeError(f"rounding_seed must be an int or None, got {type(rounding_seed).__name__}")
     if moment_scales is not None and len(moment_scales) != len(params):

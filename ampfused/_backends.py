@@ -1,6 +1,6 @@
 """Lazy discovery of the backends that implement ampfused's passes, and the choice among them.
 
-Every backend is a module (or an object) with the attributes of :class:`ampfused._contract.Backend`
+Every backend is a module (or an object) with the attributes of :class:`Backend`
 (``NAME``, ``supports``, ``accumulate_``, ``grad_stats_``, ``adamw_update_``, ``scaler_update_``);
 the ``reference`` module is their specification and the test oracle. Backends are found by module
 name (``importlib``), so none of them imports this module back.
@@ -12,10 +12,84 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
-from ._contract import Backend  # a module or an object with these attributes
+from ._batch import Batch
+
+class Backend(Protocol):
+    """The passes every backend implements (a module or an object with these attributes).
+
+    ``ampfused.reference`` is their specification and the test oracle; ``ampfused._backends``
+    finds the others (``ampfused._compiled``: the ``"cpu"``/``"cuda"`` ops of ``ampfused._C``;
+    ``ampfused.kernels``: Triton). Nothing in a pass reads a device value on the host.
+    """
+
+    NAME: str
+
+    def supports(self, device: torch.device) -> str | None:
+        """Why this backend cannot serve tensors on ``device``; ``None`` when it can."""
+
+    def accumulate_(self, main_grad: Tensor, grad: Tensor) -> None:
+        """``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16, same shape)."""
+
+    def grad_stats_(self, batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
+                    max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
+        """One pass over ``grads = batch.grads``, then the finish, in one launch.
+
+        ``u = grads[i].float() * inv_scale`` with ``inv_scale = float(1 / double(grad_scale))``
+        (torch's unscale; ``grad_scale`` is a 1-element fp32 device tensor, the loss scale, or
+        ``None`` meaning 1). ``found_inf`` is a 1-element fp32 device tensor (non-zero skips) or
+        ``None``; ``max_grad_norm`` a float or ``None``. Overwrites ``stats``:
+        ``stats[SUMSQ] = sum_i sum(u_i ** 2)`` (fp32, inf when it overflows);
+        ``stats[SKIP] = 1.0`` if any element of any ``u_i`` is inf/NaN or ``found_inf`` is non-zero;
+        ``stats[NORM] = sqrt(stats[SUMSQ])``, inf where that is finite but the step is skipped;
+        ``stats[FACTOR] = inv_scale * min(1, max_grad_norm / (norm + CLIP_EPS))`` (``inv_scale``
+        alone without clipping): :func:`finish_` is the finish's specification.
+        ``check_nonfinite=False`` ignores the element flag (see :func:`finish_`).
+        ``scratch``: the caller's ``functional.Scratch`` (launch counters and partials, a host
+        memo) or ``None`` for a fresh one; a backend that needs none ignores it.
+        """
+
+    def adamw_update_(self, batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
+                      rounding_seed: int | None = None) -> None:
+        """One AdamW step over the tensors of ``batch`` (its lists named below as they are), in one launch.
+
+        ``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param has no AMSGrad buffer /
+        no master copy. Tensor ``i`` takes the group row ``groups[group_ids[i]]`` (the
+        caller groups them once: the optimizer by param group, the functional API by value).
+        Grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale); when
+        ``stats[SKIP]`` is non-zero nothing is written at all. With ``grad_scale`` the unscaled
+        gradient ``g * inv_scale`` is written back into ``grads[i]`` (what torch's fused AdamW
+        leaves in ``p.grad``). The grads come validated (``ampfused._args.check_grad``): same
+        shape, device and memory layout as their param, a kernel dtype. ``scratch``: as above.
+
+        Compact state (DESIGN §9; ``ampfused._compact`` specifies every encoding) is told by dtypes:
+        ``masters[i]`` fp32 (a master copy), int16 (split16 low bits, bf16 params) or int8 (split8
+        residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
+        ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
+        memory order) come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
+        max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
+        ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
+        without an exact master (bf16 moments, bf16 params without master) stochastically, with the
+        bits of the one hash of (seed, ``batch.index[i]``, element) ([note: rounding bits]), the
+        same on every backend. ``batch.index[i]`` is tensor ``i``'s position in the step's full
+        lists (None: ``i``), so a tensor draws the same bits whichever share of a split step serves
+        it. A skipped step writes no buffer, compact ones included.
+        A backend lists the encodings it serves in ``COMPACT_MODES`` (a subset of {"split16", "split8",
+        "bf16", "int8", "sr"}; missing means none): ``functional.run_step`` hands the tensors whose
+        encodings it lacks to ``ampfused.reference`` in the same step, and gives a backend
+        ``moment_scales`` / ``rounding_seed`` only when its share needs them.
+        """
+
+    def scaler_update_(self, found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                       skipped_steps: Tensor, consecutive_skips: Tensor, watch: Tensor | None, *, growth_factor: float,
+                       backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float | None) -> None:
+        """``ampfused.GradScaler.update``'s rules on the device in one launch (``reference.scaler_update_``
+        is the specification); optional: the scaler falls back to the reference where it is missing."""
+
 
 BACKEND_NAMES = ("cuda", "triton", "cpu", "reference")
 ENV_VAR = "AMPFUSED_BACKEND"

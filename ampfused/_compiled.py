@@ -2,7 +2,7 @@
 
 The extension registers ``torch.ops.ampfused.{accumulate, grad_stats, adamw_update, scaler_update}`` with the
 dispatcher (CPU kernels always, CUDA kernels when it was built with them); this module loads it
-lazily, says why when it cannot, and adapts the passes of ``ampfused._contract.Backend`` to the op
+lazily, says why when it cannot, and adapts the passes of ``ampfused._backends.Backend`` to the op
 signatures.
 
 Nothing here runs at ``import ampfused``: ``_backends`` imports this
@@ -156,7 +156,7 @@ COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "int8", "sr"}),
 
 
 class CompiledBackend:
-    """The four passes of ``_contract.Backend`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
+    """The four passes of ``_backends.Backend`` (accumulate, stats, update, scaler update) over ``torch.ops.ampfused`` for one device type."""
 
     def __init__(self, name: str, module):
         self.NAME = name
@@ -199,7 +199,7 @@ class CompiledBackend:
         # The op takes the batch as parallel per-field lists: a TORCH_LIBRARY schema types its arguments
         # as Tensor[] / float[] / int[] / Tensor?[], not records, so the group rows become one list per
         # field here (per group, never per tensor) and csrc/ops.cpp packs them into UpdateGroup records.
-        # [note: lr kinds] in _contract.py: an LR_VALUE lr goes as a float (a tensor in host memory is read
+        # [note: lr kinds] in _batch.py: an LR_VALUE lr goes as a float (a tensor in host memory is read
         # here, no sync), any other tensor lr as it is, read on its device. The op gets no kind list: its
         # schema takes the Tensor, whose dtype is its kind (csrc/contract_aten_generated.h lr_kind_of), and
         # the op, callable directly, checks its tensor itself; it also makes, and keeps alive for CUDA

@@ -14,7 +14,7 @@ slots): the stats pass writes it, ending with :func:`finish_`; the update pass r
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -304,114 +304,6 @@ RECORDS = {"UPDATE_TENSOR": ("UpdateTensor", "U_"), "UPDATE_GROUP": ("UpdateGrou
            "STATS_TENSOR": ("StatsEntry", "S_")}
 
 
-class Hyper(NamedTuple):
-    """One group row: the hyperparameters of one param group, shared by all tensors of the group.
-
-    Converted from the group dict once per step (``_plan.StepPlan.hypers``, ``functional.group_hypers``):
-    floats and bools, ``lr`` a float or a 1-element tensor (read on the device: no sync). Backends
-    read these fields as they are.
-    """
-
-    lr: float | Tensor
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-
-    @property
-    def flags(self) -> int:
-        return (FLAG_AMSGRAD if self.amsgrad else 0) | (FLAG_MAXIMIZE if self.maximize else 0)
-
-
-def check_tensor_lr(lr: Tensor) -> None:
-    """torch's rule for a tensor lr: one element, of any shape."""
-    if lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-
-
-def row_lr(lr: float | Tensor) -> float | Tensor:
-    """A group row's lr: a float, or a tensor lr as a 0-d view of itself (same storage, so in-place
-    updates and CUDA-graph replays still read it), as torch's ``_to_scalar`` squeezes one before the
-    step: a ``[1, 1]`` lr then broadcasts into a 1-d param instead of widening it."""
-    if isinstance(lr, Tensor):
-        check_tensor_lr(lr)  # the functional API and a group["lr"] set after construction come here unchecked
-        return lr if lr.dim() == 0 else lr.view(())
-    return float(lr)
-
-
-def lr_kind(lr: float | Tensor, device: torch.device) -> int:
-    """[note: lr kinds] How the kernels of a step on ``device`` read a group row's lr (``Hyper.lr``).
-
-    ``LR_VALUE``: a number, or a one-element tensor in host memory while the step runs off the CPU
-    (read on the host: no device sync). Otherwise a tensor read when the kernel runs, so in-place
-    scheduler updates and CUDA-graph replays see its current value with no sync: the
-    ``LR_KIND_OF_DTYPE`` kind of its dtype, or ``LR_F32`` for one on another device or of a dtype the
-    kernels do not read: the backend reads a float32 copy it makes on ``device`` (on the stream, no
-    sync) and keeps alive as long as its launch (a captured CUDA graph replays into it).
-    """
-    if not isinstance(lr, Tensor):
-        return LR_VALUE
-    check_tensor_lr(lr)
-    if lr.device.type == "cpu" and device.type != "cpu":
-        return LR_VALUE
-    return LR_KIND_OF_DTYPE.get(lr.dtype, LR_F32) if lr.device == device else LR_F32
-
-
-class Batch:
-    """[note: batch] One update's tensors and group rows, in the spec's order: what every backend's
-    passes take (``Backend.grad_stats_`` reads ``grads`` only).
-
-    Parallel per-tensor lists (``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param
-    has no AMSGrad buffer / no master), ``group_ids[i]`` the index of tensor ``i``'s row in
-    ``groups``, and ``moment_scales`` the int8 block scales of compact tensors (``None``, or ``None``
-    entries, for others; see ``Backend.adamw_update_``). The optimizer's plan builds one per plan
-    and a step patches only ``grads`` and ``groups``; the other lists keep their identity, which is
-    what a backend's host memo keys on ([note: host time] in ``_plan.py``). ``parts`` caches what
-    ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
-    ``index``: each tensor's position in the step's full lists (``None``: ``0..n-1``), what keys its
-    stochastic-rounding bits ([note: rounding bits]), so a share of a split step draws the same bits.
-    ``lr_kinds[j]``: how the kernels read ``groups[j].lr`` (:func:`lr_kind`), set with ``groups``:
-    the one place a tensor lr is classified, which every kernel backend reads.
-    """
-
-    __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
-                 "_groups", "lr_kinds", "moment_scales", "index", "parts")
-
-    def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                 exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
-                 masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper],
-                 moment_scales: Sequence | None = None, index: Sequence[int] | None = None):
-        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, grads, exp_avgs, exp_avg_sqs
-        self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
-        self.group_ids, self.groups, self.moment_scales, self.index = group_ids, groups, moment_scales, index
-        self.parts: dict = {}
-
-    @property
-    def groups(self) -> Sequence[Hyper]:
-        return self._groups
-
-    @groups.setter
-    def groups(self, groups: Sequence[Hyper]) -> None:
-        device = self.params[0].device if len(self.params) else torch.device("cpu")
-        self._groups, self.lr_kinds = groups, [lr_kind(h.lr, device) for h in groups]  # per group, never per tensor
-
-    def drop_grads(self) -> None:
-        """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds
-        its grads only weakly between steps: [note: grads held weakly] in ``_plan.py``)."""
-        self.grads = None
-        for part in self.parts.values():
-            for b in part:
-                if isinstance(b, Batch):
-                    b.grads = None
-
-    @classmethod
-    def of_grads(cls, grads: Sequence[Tensor]) -> "Batch":
-        """A batch for the stats pass alone: its grads, no update lists."""
-        return cls([], grads, [], [], [], [], [], [], [])
-
-
 def inv_scale_of(grad_scale: Tensor | None) -> Tensor | None:
     """``1 / grad_scale`` exactly as torch.amp.GradScaler.unscale_ computes it (fp64, rounded to fp32)."""
     return None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
@@ -443,78 +335,6 @@ def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, 
     stats[NORM] = torch.where(skip & torch.isfinite(norm), math.inf, norm)  # a skipped step's norm is non-finite
     stats[SKIP] = skip.float()
     stats[FACTOR] = factor
-
-
-class Backend(Protocol):
-    """The passes every backend implements (a module or an object with these attributes).
-
-    ``ampfused.reference`` is their specification and the test oracle; ``ampfused._backends``
-    finds the others (``ampfused._compiled``: the ``"cpu"``/``"cuda"`` ops of ``ampfused._C``;
-    ``ampfused.kernels``: Triton). Nothing in a pass reads a device value on the host.
-    """
-
-    NAME: str
-
-    def supports(self, device: torch.device) -> str | None:
-        """Why this backend cannot serve tensors on ``device``; ``None`` when it can."""
-
-    def accumulate_(self, main_grad: Tensor, grad: Tensor) -> None:
-        """``main_grad += grad`` in fp32 (``grad`` fp32/fp16/bf16, same shape)."""
-
-    def grad_stats_(self, batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
-                    max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-        """One pass over ``grads = batch.grads``, then the finish, in one launch.
-
-        ``u = grads[i].float() * inv_scale`` with ``inv_scale = float(1 / double(grad_scale))``
-        (torch's unscale; ``grad_scale`` is a 1-element fp32 device tensor, the loss scale, or
-        ``None`` meaning 1). ``found_inf`` is a 1-element fp32 device tensor (non-zero skips) or
-        ``None``; ``max_grad_norm`` a float or ``None``. Overwrites ``stats``:
-        ``stats[SUMSQ] = sum_i sum(u_i ** 2)`` (fp32, inf when it overflows);
-        ``stats[SKIP] = 1.0`` if any element of any ``u_i`` is inf/NaN or ``found_inf`` is non-zero;
-        ``stats[NORM] = sqrt(stats[SUMSQ])``, inf where that is finite but the step is skipped;
-        ``stats[FACTOR] = inv_scale * min(1, max_grad_norm / (norm + CLIP_EPS))`` (``inv_scale``
-        alone without clipping): :func:`finish_` is the finish's specification.
-        ``check_nonfinite=False`` ignores the element flag (see :func:`finish_`).
-        ``scratch``: the caller's ``functional.Scratch`` (launch counters and partials, a host
-        memo) or ``None`` for a fresh one; a backend that needs none ignores it.
-        """
-
-    def adamw_update_(self, batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
-                      rounding_seed: int | None = None) -> None:
-        """One AdamW step over the tensors of ``batch`` (its lists named below as they are), in one launch.
-
-        ``None`` entries in ``max_exp_avg_sqs`` / ``masters`` where a param has no AMSGrad buffer /
-        no master copy. Tensor ``i`` takes the group row ``groups[group_ids[i]]`` (the
-        caller groups them once: the optimizer by param group, the functional API by value).
-        Grads are multiplied by ``stats[FACTOR]`` (clip coefficient / loss scale); when
-        ``stats[SKIP]`` is non-zero nothing is written at all. With ``grad_scale`` the unscaled
-        gradient ``g * inv_scale`` is written back into ``grads[i]`` (what torch's fused AdamW
-        leaves in ``p.grad``). The grads come validated (``ampfused._args.check_grad``): same
-        shape, device and memory layout as their param, a kernel dtype. ``scratch``: as above.
-
-        Compact state (DESIGN §9; ``ampfused._compact`` specifies every encoding) is told by dtypes:
-        ``masters[i]`` fp32 (a master copy), int16 (split16 low bits, bf16 params) or int8 (split8
-        residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
-        ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
-        memory order) come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
-        max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
-        ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
-        without an exact master (bf16 moments, bf16 params without master) stochastically, with the
-        bits of the one hash of (seed, ``batch.index[i]``, element) ([note: rounding bits]), the
-        same on every backend. ``batch.index[i]`` is tensor ``i``'s position in the step's full
-        lists (None: ``i``), so a tensor draws the same bits whichever share of a split step serves
-        it. A skipped step writes no buffer, compact ones included.
-        A backend lists the encodings it serves in ``COMPACT_MODES`` (a subset of {"split16", "split8",
-        "bf16", "int8", "sr"}; missing means none): ``functional.run_step`` hands the tensors whose
-        encodings it lacks to ``ampfused.reference`` in the same step, and gives a backend
-        ``moment_scales`` / ``rounding_seed`` only when its share needs them.
-        """
-
-    def scaler_update_(self, found_inf: Tensor, scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
-                       skipped_steps: Tensor, consecutive_skips: Tensor, watch: Tensor | None, *, growth_factor: float,
-                       backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float | None) -> None:
-        """``ampfused.GradScaler.update``'s rules on the device in one launch (``reference.scaler_update_``
-        is the specification); optional: the scaler falls back to the reference where it is missing."""
 
 
 def is_dense(t: Tensor) -> bool:

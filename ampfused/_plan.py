@@ -10,7 +10,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor
 from ._args import check_grad, check_no_overlap
-from ._contract import Batch, Hyper, is_dense, row_lr
+from ._batch import Batch, Hyper, row_lr
+from ._contract import is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
 
 
@@ -59,7 +60,7 @@ class StepPlan:
     -- rebuilds the plan
     through the validating path. Hyperparameters are read per group at every step.
 
-    The plan builds one :class:`~ampfused._contract.Batch` ([note: batch]) and a step patches its
+    The plan builds one :class:`~ampfused._batch.Batch` ([note: batch]) and a step patches its
     grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
     passes' share (``batch.parts``) live as long as the plan.
 

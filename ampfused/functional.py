@@ -24,7 +24,8 @@ from torch import Tensor
 
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper, compact_modes, finish_, is_dense, row_lr
+from ._batch import Batch, Hyper, row_lr
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, finish_, is_dense
 from ._state import wide_indices
 
 class Scratch:
@@ -185,7 +186,7 @@ def _plain_stats(device: torch.device) -> Tensor:
 
 @dataclass(slots=True)
 class StepOptions:
-    """What one step adds to its :class:`~ampfused._contract.Batch` (see :func:`run_step`)."""
+    """What one step adds to its :class:`~ampfused._batch.Batch` (see :func:`run_step`)."""
 
     max_grad_norm: float | None = None
     grad_scale: Tensor | None = None  # the loss scale the grads carry
@@ -198,7 +199,7 @@ class StepOptions:
 
 
 def run_step(backend, batch: Batch, options: StepOptions) -> tuple[Tensor | None, Tensor]:
-    """Stats pass (finish included), update pass over a checked ``batch`` (``_contract.Batch`` says
+    """Stats pass (finish included), update pass over a checked ``batch`` (``_batch.Batch`` says
     what it holds). No host synchronization; ``(grad_norm, skipped)`` are 0-d views of one fresh
     device vector (``grad_norm`` is ``None`` and ``skipped`` a read-only zero without stats pass,
     see [note: the plain step]).
@@ -209,7 +210,7 @@ def run_step(backend, batch: Batch, options: StepOptions) -> tuple[Tensor | None
     decision. ``options.scratch``: the caller's :class:`Scratch` (see [note: scratch]); without it
     each launch gets a fresh one. The tensors the reference passes serve (:func:`fallback_indices`)
     and the split of the batch are cached in ``batch.parts``. ``options.rounding_seed``: the
-    stochastic-rounding seed (``_contract.Backend.adamw_update_``).
+    stochastic-rounding seed (``_backends.Backend.adamw_update_``).
     """
     device = batch.params[0].device
     # the scalar inputs, normalised here once: every backend takes them as they come out

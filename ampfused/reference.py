@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from . import _compact
-from ._contract import (FACTOR, MASTER_ENCODINGS, SKIP, SUMSQ, Batch, compact_modes, finish_, inv_scale_of,
+from ._batch import Batch
+from ._contract import (FACTOR, MASTER_ENCODINGS, SKIP, SUMSQ, compact_modes, finish_, inv_scale_of,
                         master_encoding)
 
 NAME = "reference"
@@ -29,7 +30,7 @@ def accumulate_(main_grad: Tensor, grad: Tensor) -> None:
 def grad_stats_(batch: Batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                 max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
     """Sum of squares and non-finite flag of the unscaled grads ``u = g / grad_scale`` (``batch.grads``)
-    in one pass (unscale first, as torch does), then the finish: see ``_contract.Backend`` for ``stats``."""
+    in one pass (unscale first, as torch does), then the finish: see ``_backends.Backend`` for ``stats``."""
     grads = batch.grads
     inv_scale = inv_scale_of(grad_scale)
     sumsq = torch.zeros((), dtype=torch.float32, device=stats.device)
@@ -55,9 +56,9 @@ COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every 
 
 def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
                   rounding_seed: int | None = None) -> None:
-    """One AdamW step per tensor; see ``_contract.Backend`` for the contract of every argument (no scratch needed).
+    """One AdamW step per tensor; see ``_backends.Backend`` for the contract of every argument (no scratch needed).
 
-    Compact tensors (told by their dtypes, ``_contract.Backend``) step through
+    Compact tensors (told by their dtypes, ``_backends.Backend``) step through
     ``_compact.compact_adamw_step_``, the specification of every encoding; the others through the fp32 step below.
     """
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = (

@@ -41,7 +41,7 @@ class PassBench:
 
     def __init__(self, sizes: list[int], device: torch.device, backend_name: str = "cpu"):
         from ampfused import _backends
-        from ampfused._contract import Batch, Hyper
+        from ampfused._batch import Batch, Hyper
 
         gen = torch.Generator(device=device).manual_seed(0)
         self.backend = _backends.resolve(backend_name, device)[0]
@@ -71,7 +71,7 @@ class PassBench:
     def update(self, params, masters, grad_scale=None) -> None:
         batch = self.batches.get((id(params), id(masters)))
         if batch is None:  # built once per combination, outside the timed calls that follow
-            from ampfused._contract import Batch
+            from ampfused._batch import Batch
 
             batch = self.batches[(id(params), id(masters))] = Batch(
                 params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.none, self.steps, masters, self.group_ids,

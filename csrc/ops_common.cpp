@@ -142,7 +142,7 @@ UpdateCall collect_update(
     group.lr_kind = kLrValue;
     group.flags = static_cast<int32_t>(flags[j] & (kFlagAmsgrad | kFlagMaximize));
     std::optional<at::Tensor> lr_t = lr_tensors.get(j);
-    // The Python batch classified each lr once ([note: lr kinds] in _contract.py) and sends the
+    // The Python batch classified each lr once ([note: lr kinds] in ampfused/_batch.py) and sends the
     // floats as floats; the schema carries a tensor lr with no kind, so the op classifies it from the
     // tensor (its device here, its dtype by the generated lr_kind_of), the same rules for a direct caller.
     if (lr_t.has_value()) {

@@ -297,8 +297,8 @@ def _f32(x: float) -> float:
 @_runtime.launches_on(lambda batch, stats, **kwargs: stats.device)
 def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
                   rounding_seed: int | None = None) -> None:
-    """One AdamW step over every tensor of ``batch`` in one launch; see ``ampfused._contract.Backend`` for
-    the contract (``batch`` is an ``ampfused._contract.Batch``, read by its fields: this package
+    """One AdamW step over every tensor of ``batch`` in one launch; see ``ampfused._backends.Backend`` for
+    the contract (``batch`` is an ``ampfused._batch.Batch``, read by its fields: this package
     imports nothing of ampfused).
 
     Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
@@ -423,7 +423,7 @@ def _group_rows(group_ids, groups, lr_kinds, device):
 
 
 def _group_key(h, kind, device, keep_alive, slot_of_lr) -> tuple:
-    """The group row of ``h``, its lr read as ``kind`` (the batch's ``lr_kinds``: [note: lr kinds] in ampfused/_contract.py)."""
+    """The group row of ``h``, its lr read as ``kind`` (the batch's ``lr_kinds``: [note: lr kinds] in ampfused/_batch.py)."""
     lr = h.lr
     if kind != int(LR_VALUE):
         # read in its own dtype by the kernel: no cast temporary, which a captured CUDA graph would
@@ -441,7 +441,7 @@ def _group_key(h, kind, device, keep_alive, slot_of_lr) -> tuple:
             slot = slot_of_lr[value] = len(slot_of_lr)
         if slot is not None:
             kind, value, addr = int(LR_SLOT), 0.0, slot
-    # the caller's group row is converted already (ampfused._contract.Hyper): its values go in as they are
+    # the caller's group row is converted already (ampfused._batch.Hyper): its values go in as they are
     return GroupRow(value, h.beta1, h.beta2, h.eps, h.weight_decay, addr, kind, h.flags)
 
 

@@ -172,7 +172,7 @@ MASTER_KEYS = ("master_param", "master_low16", "master_residual8")
 
 
 def compact_hyper(amsgrad=False, maximize=False):
-    from ampfused._contract import Hyper
+    from ampfused._batch import Hyper
 
     h = COMPACT_HYPER
     return Hyper(h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], amsgrad, maximize)
@@ -237,7 +237,7 @@ def stats_vector(factor=1.0, skip=0.0, device=DEVICE):
 
 
 def update_(backend, lists, group_ids, groups, stats, *, grad_scale=None, moment_scales=..., rounding_seed=None):
-    """The one place tests/compact calls a backend's ``adamw_update_`` (over a ``_contract.Batch``):
+    """The one place tests/compact calls a backend's ``adamw_update_`` (over a ``_batch.Batch``):
     ``lists`` as ``update_lists`` builds them; ``moment_scales`` defaults to theirs."""
     if moment_scales is ...:
         moment_scales = lists.get("moment_scales")
@@ -246,8 +246,8 @@ def update_(backend, lists, group_ids, groups, stats, *, grad_scale=None, moment
 
 
 def batch_of(lists, group_ids, groups, moment_scales=...):
-    """The ``_contract.Batch`` the backends' passes take, from ``update_lists``' dict."""
-    from ampfused._contract import Batch
+    """The ``_batch.Batch`` the backends' passes take, from ``update_lists``' dict."""
+    from ampfused._batch import Batch
 
     if moment_scales is ...:
         moment_scales = lists.get("moment_scales")

@@ -32,7 +32,7 @@ def refused(kernel, entries, errors, match, **changes):
 
 
 def kernel_hyper():
-    from ampfused._contract import Hyper
+    from ampfused._batch import Hyper
 
     return Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
 

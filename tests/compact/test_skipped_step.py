@@ -6,7 +6,7 @@ import torch
 
 import ampfused
 from ampfused import _compact as C
-from ampfused._contract import Hyper
+from ampfused._batch import Hyper
 from helpers import OPT_MODES, UPDATE_MODES, assert_bitwise_equal, assert_same_state, clone_compact, feed, opt_params
 from helpers import run_steps, same_bits, snapshot
 

@@ -10,7 +10,7 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused import _compiled
-from ampfused._contract import Hyper
+from ampfused._batch import Hyper
 from helpers import DEVICE, assert_same_state, check_step, clone_compact, compact_update, constant_entry, same_bits, spec_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")

@@ -14,7 +14,7 @@ import torch
 
 from ampfused import _compact as C
 from ampfused import reference
-from ampfused._contract import Hyper
+from ampfused._batch import Hyper
 from helpers import UPDATE_MODES, assert_close_to_spec, assert_same_state, check_step, clone_compact, compact_hyper
 from helpers import compact_update, same_bits, spec_step
 

@@ -13,7 +13,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, _compiled
-from ampfused._contract import Batch, Hyper
+from ampfused._batch import Batch, Hyper
 
 OUT = sys.argv[1]
 cpu = _backends.resolve("cpu", torch.device("cpu"))[0]

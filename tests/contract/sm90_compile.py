@@ -223,7 +223,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         return kernel
 
     JITFunction.run = warmup_instead
-    from ampfused._contract import Batch, Hyper
+    from ampfused._batch import Batch, Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
     assert not _runtime.INTERPRET, "TRITON_INTERPRET is set: these would be interpreter sizes"
@@ -328,7 +328,8 @@ def compact_updates(adamw, hyper, numels):
     """The update's compact variants (DESIGN §9): split16 alone (the most common), bf16 moments with
     stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
     import torch
-    from ampfused._contract import INT8_BLOCK, Batch
+    from ampfused._batch import Batch
+    from ampfused._contract import INT8_BLOCK
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
         p = torch.zeros(n, dtype=param_dtype)

@@ -11,7 +11,7 @@ import torch
 
 import ampfused
 from ampfused import _compiled, reference
-from ampfused._contract import Batch, Hyper
+from ampfused._batch import Batch, Hyper
 import testing_extension
 from test_passes import assert_update_close, make_tensors
 

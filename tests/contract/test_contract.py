@@ -7,33 +7,33 @@ import inspect
 import pytest
 import torch
 
-from ampfused import _contract, functional, reference
+from ampfused import _backends, _batch, _contract, functional, reference
 from ampfused._compiled import CompiledBackend
 
 
 def test_hyper_flags():
-    assert _contract.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True).flags == _contract.FLAG_AMSGRAD | _contract.FLAG_MAXIMIZE
-    assert _contract.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, True).flags == _contract.FLAG_MAXIMIZE
-    assert _contract.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False).flags == 0
+    assert _batch.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True).flags == _contract.FLAG_AMSGRAD | _contract.FLAG_MAXIMIZE
+    assert _batch.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, True).flags == _contract.FLAG_MAXIMIZE
+    assert _batch.Hyper(1e-3, 0.9, 0.999, 1e-8, 0.0, False, False).flags == 0
 
 
 def test_lr_kind_classifies_each_lr_once():
-    c, cpu, gpu = _contract, torch.device("cpu"), torch.device("cuda", 0)  # a device object: nothing runs on it
-    assert c.lr_kind(1e-3, cpu) == c.lr_kind(1e-3, gpu) == c.LR_VALUE
-    assert c.lr_kind(torch.tensor(1e-3), gpu) == c.LR_VALUE  # host memory, a step off the CPU: read on the host
-    for dtype, kind in c.LR_KIND_OF_DTYPE.items():
-        assert c.lr_kind(torch.tensor(1e-3, dtype=dtype), cpu) == kind  # read in its own dtype at kernel time
-    assert c.lr_kind(torch.tensor(1, dtype=torch.int32), cpu) == c.LR_F32  # read through a float32 copy
-    assert c.lr_kind(torch.tensor([1e-3], device="meta"), cpu) == c.LR_F32  # another device: a copy
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object: nothing runs on it
+    assert _batch.lr_kind(1e-3, cpu) == _batch.lr_kind(1e-3, gpu) == _contract.LR_VALUE
+    assert _batch.lr_kind(torch.tensor(1e-3), gpu) == _contract.LR_VALUE  # host memory, a step off the CPU: read on the host
+    for dtype, kind in _contract.LR_KIND_OF_DTYPE.items():
+        assert _batch.lr_kind(torch.tensor(1e-3, dtype=dtype), cpu) == kind  # read in its own dtype at kernel time
+    assert _batch.lr_kind(torch.tensor(1, dtype=torch.int32), cpu) == _contract.LR_F32  # read through a float32 copy
+    assert _batch.lr_kind(torch.tensor([1e-3], device="meta"), cpu) == _contract.LR_F32  # another device: a copy
     with pytest.raises(ValueError, match="1-element"):
-        c.lr_kind(torch.tensor([1e-3, 1e-3]), cpu)
+        _batch.lr_kind(torch.tensor([1e-3, 1e-3]), cpu)
 
 
 def test_batch_classifies_its_lrs_with_its_groups():
     p = torch.zeros(3)
-    rows = [_contract.Hyper(lr, 0.9, 0.999, 1e-8, 0.0, False, False)
+    rows = [_batch.Hyper(lr, 0.9, 0.999, 1e-8, 0.0, False, False)
             for lr in (1e-3, torch.tensor(1e-3, dtype=torch.float64), torch.tensor(1e-3, dtype=torch.bfloat16))]
-    batch = _contract.Batch([p], [p], [p], [p], [None], [torch.zeros(())], [None], [0], rows)
+    batch = _batch.Batch([p], [p], [p], [p], [None], [torch.zeros(())], [None], [0], rows)
     assert batch.lr_kinds == [_contract.LR_VALUE, _contract.LR_F64, _contract.LR_BF16]
     batch.groups = rows[:1]  # a step patches its group rows: the kinds follow
     assert batch.lr_kinds == [_contract.LR_VALUE]
@@ -78,7 +78,7 @@ def test_kernel_layout_checks_equal_the_contract():
 
 
 def test_python_modules_use_the_contract_itself():
-    assert functional.Hyper is _contract.Hyper and functional.STATS_SIZE == _contract.STATS_SIZE
+    assert functional.Hyper is _batch.Hyper and functional.STATS_SIZE == _contract.STATS_SIZE
     assert reference.finish_ is _contract.finish_
     assert functional.Scratch().buffer(torch.device("cpu")).numel() == _contract.SCRATCH_BYTES
 
@@ -95,7 +95,7 @@ def backends_to_check():
 @pytest.mark.parametrize("name,backend", backends_to_check(), ids=lambda x: x if isinstance(x, str) else "")
 @pytest.mark.parametrize("method", ["accumulate_", "grad_stats_", "adamw_update_", "scaler_update_"])
 def test_every_backend_takes_the_contracts_arguments(name, backend, method):
-    want = [p for p in inspect.signature(getattr(_contract.Backend, method)).parameters.values() if p.name != "self"]
+    want = [p for p in inspect.signature(getattr(_backends.Backend, method)).parameters.values() if p.name != "self"]
     got = list(inspect.signature(getattr(backend, method)).parameters.values())
     assert [(p.name, p.kind) for p in got] == [(p.name, p.kind) for p in want], f"{name}.{method}"
     assert isinstance(backend.NAME, str) and callable(backend.supports)

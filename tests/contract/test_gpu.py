@@ -10,7 +10,7 @@ import torch
 
 import ampfused
 from ampfused import _backends, reference
-from ampfused._contract import Batch, Hyper
+from ampfused._batch import Batch, Hyper
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,8 @@ import torch
 
 import ampfused
 from ampfused import _backends, _compiled, reference
-from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ, Batch, Hyper
+from ampfused._batch import Batch, Hyper
+from ampfused._contract import FACTOR, NORM, SKIP, STATS_SIZE, SUMSQ
 from ampfused.functional import group_hypers
 import testing_extension
 from helpers import DEVICE, stats_vector

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampfused import _backends
-from ampfused._contract import Batch
+from ampfused._batch import Batch
 from helpers import DEVICE
 
 kernels, _reason = _backends.probe("triton")
@@ -90,7 +90,7 @@ def test_tables_built_during_capture_are_kept_and_never_served_eagerly(monkeypat
 
 
 def test_update_rejects_state_laid_out_unlike_its_param():
-    from ampfused._contract import Batch, Hyper
+    from ampfused._batch import Batch, Hyper
 
     param = torch.zeros(4, 6)
     with pytest.raises(ValueError, match="laid out in memory"):
@@ -205,7 +205,7 @@ def test_kernels_compile_for_a_gpu_without_one():
 def test_float_lr_changing_every_step_uploads_no_table():
     """A scheduler assigning a new float lr each step: the lr travels as kernel arguments, so the
     group table (and every other table) is found in the cache, nothing is built."""
-    from ampfused._contract import Batch, Hyper
+    from ampfused._batch import Batch, Hyper
 
     _tables.clear()
     params, grads = [torch.randn(300), torch.randn(7)], [torch.randn(300), torch.randn(7)]
