@@ -1,10 +1,10 @@
-"""Loads and stores of the update pass's optimizer state, plain and compact (DESIGN §9).
+"""Loads and stores of the update pass's compact optimizer state (DESIGN §9), and the rounding bits.
 
 The update kernel (``adamw.py``) reads a block of state through the tensor's row (``adamw.Row``),
-decoded to fp32, runs the fp32 math, and encodes it back with the functions of ``compact.py``
-(tested bitwise against ``ampfused/_compact.py``). Which encoding a tensor uses is a per-row code of the row table, uniform
-within a program; which encodings a launch can meet are constexprs, so a launch without compact
-tensors compiles to the plain kernel.
+decoded to fp32 here when it is compact, runs the fp32 math, and encodes it back with the functions
+of ``compact.py`` (tested bitwise against ``ampfused/_compact.py``). Which encoding a tensor uses is
+a per-row code of the row table, uniform within a program; which encodings a launch can meet are
+constexprs, so a launch without compact tensors compiles to the plain kernel and never comes here.
 
 [note: int8 blocks] int8 moments have one scale per INT8_BLOCK consecutive elements. Chunks and
 blocks start on multiples of it within a tensor, so a block holds whole scale blocks: decode with
@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from . import compact as K
-from ._contract_generated import (DTYPE_BF16, DTYPE_F16, INT8_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
+from ._contract_generated import (DTYPE_F16, INT8_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
                                   SR_KEY_SALT, SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
-from ._memory import load_f32, store_f32
+from ._memory import typed_ptr
 
 
 @triton.jit
@@ -59,31 +59,22 @@ def random_words(offs, key, SECOND: tl.constexpr):
 
 
 @triton.jit
-def _typed_ptr(addr, DTYPE: tl.constexpr, ALIGN_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
-    """``addr`` as a pointer to DTYPE, hinted ALIGN_BYTES-aligned (4-element vectors) when ALIGNED."""
-    ptr = addr.to(tl.pointer_type(DTYPE))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, ALIGN_BYTES)
-    return ptr
-
-
-@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _load_bf16(addr, offs, mask, ALIGNED: tl.constexpr):
-    bits_ptr = _typed_ptr(addr, tl.uint16, 8, ALIGNED)
+    bits_ptr = typed_ptr(addr, tl.uint16, 8, ALIGNED)
     return (tl.load(bits_ptr + offs, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
-        code = tl.load(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
+        code = tl.load(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
     else:
-        code = tl.load(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
+        code = tl.load(typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
     # the scales of the block's scale blocks as scalars, spread by a select: a per-element gather
     # would hold a 64-bit address per element ([note: int8 blocks])
     scale_ptr = scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK
@@ -104,7 +95,7 @@ def load_moment(addr, kind, scale_addr, offs, mask, first, end, ALIGNED: tl.cons
     """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``) of
     the block from element ``first`` (elements from ``end`` on are masked)."""
     if kind == MOMENT_F32:
-        x = tl.load(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        x = tl.load(typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
         if BF16 and INT8:
             if kind == MOMENT_BF16:
@@ -119,8 +110,8 @@ def load_moment(addr, kind, scale_addr, offs, mask, first, end, ALIGNED: tl.cons
 
 
 @triton.jit
-def _store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constexpr):
-    bits_ptr = _typed_ptr(addr, tl.uint16, 8, ALIGNED)
+def store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constexpr):
+    bits_ptr = typed_ptr(addr, tl.uint16, 8, ALIGNED)
     if SR:
         bits = K.bf16_sr_bits(x, rand)
     else:
@@ -144,9 +135,9 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
              mask=first + blocks * INT8_BLOCK < end)
     scale = tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, INT8_BLOCK)), (GROUPS * INT8_BLOCK,))
     if SIGNED:
-        tl.store(_typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale).to(tl.int8), mask=mask)
+        tl.store(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale).to(tl.int8), mask=mask)
     else:
-        tl.store(_typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, K.encode_exp_avg_sq(x, scale).to(tl.uint8), mask=mask)
+        tl.store(typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, K.encode_exp_avg_sq(x, scale).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -155,15 +146,15 @@ def store_moment(addr, kind, scale_addr, offs, mask, first, end, x, rand, ALIGNE
     """Store fp32 ``x`` in the moment's encoding; bf16 rounds stochastically with the low 16 bits of
     ``rand`` when SR; int8 takes new block maxima as scales (the block's, from element ``first``)."""
     if kind == MOMENT_F32:
-        tl.store(_typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
+        tl.store(typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
     else:
         if BF16 and INT8:
             if kind == MOMENT_BF16:
-                _store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
+                store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
             else:
                 _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
         elif BF16:
-            _store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
+            store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
         else:
             _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
 
@@ -178,27 +169,27 @@ def _join8(bits, residual, param_dtype):
 
 
 @triton.jit
-def _load_split_master(t, param_dtype, offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
+def load_split_master(t, param_dtype, offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
     """fp32 master joined from the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
-    bits = tl.load(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32)
+    bits = tl.load(typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32)
     if SPLIT16 and SPLIT8:
         if t.master_kind == MASTER_SPLIT16:
-            w = K.join16(bits, tl.load(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
+            w = K.join16(bits, tl.load(typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
         else:
-            w = _join8(bits, tl.load(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32),
+            w = _join8(bits, tl.load(typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32),
                        param_dtype)
     elif SPLIT16:
-        w = K.join16(bits, tl.load(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
+        w = K.join16(bits, tl.load(typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32))
     else:
-        w = _join8(bits, tl.load(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32), param_dtype)
+        w = _join8(bits, tl.load(typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32), param_dtype)
     return w
 
 
 @triton.jit
 def _store_split16(t, offs, mask, w, ALIGNED: tl.constexpr):
     hi, lo = K.split16(w)
-    tl.store(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, hi.to(tl.uint16), mask=mask)
-    tl.store(_typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, lo.to(tl.uint16), mask=mask)
+    tl.store(typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, hi.to(tl.uint16), mask=mask)
+    tl.store(typed_ptr(t.master, tl.uint16, 8, ALIGNED) + offs, lo.to(tl.uint16), mask=mask)
 
 
 @triton.jit
@@ -207,87 +198,19 @@ def _store_split8(t, param_dtype, offs, mask, w, ALIGNED: tl.constexpr):
         bits, q = K.split8(w, True)
     else:
         bits, q = K.split8(w, False)
-    tl.store(_typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, bits.to(tl.uint16), mask=mask)
-    tl.store(_typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, q.to(tl.int8), mask=mask)
+    tl.store(typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, bits.to(tl.uint16), mask=mask)
+    tl.store(typed_ptr(t.master, tl.int8, 4, ALIGNED) + offs, q.to(tl.int8), mask=mask)
 
 
 @triton.jit
-def load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
-               BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr):
-    """(w, m, v, v_max) in fp32 of tensor ``t`` (a row: ``adamw.Row``), each in the encoding its row
-    names among those the launch can meet; v_max is v without amsgrad. The kernel sends split-master
-    tensors only to SPLIT16/SPLIT8 blocks ([note: split masters per program] in adamw.py)."""
-    if SPLIT16 or SPLIT8:
-        w = _load_split_master(t, param_dtype, offs, mask, ALIGNED, SPLIT16, SPLIT8)
-    elif t.master != 0:
-        w = tl.load(_typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, mask=mask)
-    else:
-        w = load_f32(t.param, param_dtype, offs, mask, ALIGNED)
-    if BF16_STATE or INT8_STATE:
-        m = load_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, ALIGNED, BF16_STATE, INT8_STATE,
-                        True)
-        v = load_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
-                        INT8_STATE, False)
-        if amsgrad:
-            v_max = load_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
-                                ALIGNED, BF16_STATE, INT8_STATE, False)
-        else:
-            v_max = v
-    else:
-        m = tl.load(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, mask=mask)
-        v = tl.load(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
-        if amsgrad:
-            v_max = tl.load(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
-        else:
-            v_max = v
-    return w, m, v, v_max
-
-
-@triton.jit
-def store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
-                SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
-                SR: tl.constexpr):
-    """The update's writes: moments in their encoding, the param with its master (split or fp32),
-    or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
-    ``key`` is the program's random key ([note: rounding bits] in ampfused/_contract.py)."""
-    # the param first: its random word (word1, shared with max_exp_avg_sq) dies before the moments'
-    # word0 is made, so a block holds one word at a time
-    word1 = 0
-    if SR:
-        _, word1 = random_words(offs, key, True)
-    if SPLIT16 or SPLIT8:
-        if SPLIT16 and SPLIT8:
-            if t.master_kind == MASTER_SPLIT16:
-                _store_split16(t, offs, mask, w, ALIGNED)
-            else:
-                _store_split8(t, param_dtype, offs, mask, w, ALIGNED)
-        elif SPLIT16:
+def store_split_master(t, param_dtype, offs, mask, w, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
+    """fp32 ``w`` split into the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
+    if SPLIT16 and SPLIT8:
+        if t.master_kind == MASTER_SPLIT16:
             _store_split16(t, offs, mask, w, ALIGNED)
         else:
             _store_split8(t, param_dtype, offs, mask, w, ALIGNED)
-    elif t.master != 0:
-        tl.store(_typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, w, mask=mask)
-        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
-    elif SR:
-        if param_dtype == DTYPE_BF16:  # bf16 without a master: stochastic rounding
-            _store_bf16(t.param, offs, mask, w, word1 >> 16, ALIGNED, True)
-        else:
-            store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
+    elif SPLIT16:
+        _store_split16(t, offs, mask, w, ALIGNED)
     else:
-        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
-    if BF16_STATE or INT8_STATE:
-        if amsgrad:
-            store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
-                         v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-        word0 = 0
-        if SR:
-            word0, _ = random_words(offs, key, False)
-        store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED, BF16_STATE,
-                     INT8_STATE, True, SR)
-        store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
-                     ALIGNED, BF16_STATE, INT8_STATE, False, SR)
-    else:
-        tl.store(_typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
-        tl.store(_typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
-        if amsgrad:
-            tl.store(_typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v_max, mask=mask)
+        _store_split8(t, param_dtype, offs, mask, w, ALIGNED)

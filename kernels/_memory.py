@@ -67,3 +67,12 @@ def store_f32(addr, dtype_code, offs, x, mask, ALIGNED: tl.constexpr):
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         quiet_nan = (bits >> 16) | 0x0040
         tl.store(bf16_bits_ptr + offs, tl.where(x != x, quiet_nan, rounded).to(tl.uint16), mask=mask)
+
+
+@triton.jit
+def typed_ptr(addr, DTYPE: tl.constexpr, ALIGN_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
+    """``addr`` as a pointer to DTYPE, hinted ALIGN_BYTES-aligned (4-element vectors) when ALIGNED."""
+    ptr = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, ALIGN_BYTES)
+    return ptr

@@ -9,8 +9,8 @@ operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 Compact state (DESIGN §9: split16 / split8 masters, bf16 / int8 moments, stochastic rounding) is
 read and written by variants of the same kernel: the row table says each tensor's encodings, the
 launch's constexprs (``SPLIT16`` .. ``SR``) which encodings it can meet, so a launch without compact
-state compiles to the plain kernel; ``_compact_state`` has the loads and stores, the fp32 math is
-shared.
+state compiles to the plain kernel; ``_load_state``/``_store_state`` read and write fp32 state here
+and hand compact encodings to ``_compact_state``; the fp32 math is shared.
 
 Layout: a row table (one row per tensor) and a chunk table (one row per program) from ``_tables``,
 and a group table (one row per distinct hyperparameter set) built here. See ``stats.py`` for why
@@ -38,7 +38,7 @@ from ._contract_generated import (
     EXP_AVG_SQ_KIND_OF_DTYPE, MOMENT_DTYPE_NAMES, MOMENT_INT8, MOMENT_KIND_OF_DTYPES, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG,
     U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND,
     U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
-from ._memory import load_f32, store_f32
+from ._memory import load_f32, store_f32, typed_ptr
 
 # The row table (one row per tensor: U_ columns), the group table (one row per distinct
 # hyperparameter set: G_ columns, floats as fp64 bit patterns) and the lr kinds are
@@ -90,6 +90,81 @@ Scalars = namedtuple("Scalars", ["amsgrad", "maximize", "factor", "unscale", "de
 
 
 @triton.jit
+def _load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr,
+                SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr):
+    """(w, m, v, v_max) in fp32 of tensor ``t`` (a :data:`Row`), each in the encoding its row names
+    among those the launch can meet (fp32 here, compact ones in ``_compact_state``); v_max is v
+    without amsgrad. The kernel sends split-master tensors only to SPLIT16/SPLIT8 blocks
+    ([note: split masters per program])."""
+    if SPLIT16 or SPLIT8:
+        w = CS.load_split_master(t, param_dtype, offs, mask, ALIGNED, SPLIT16, SPLIT8)
+    elif t.master != 0:
+        w = tl.load(typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, mask=mask)
+    else:
+        w = load_f32(t.param, param_dtype, offs, mask, ALIGNED)
+    if BF16_STATE or INT8_STATE:
+        m = CS.load_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
+                           INT8_STATE, True)
+        v = CS.load_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
+                           INT8_STATE, False)
+        if amsgrad:
+            v_max = CS.load_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
+                                   ALIGNED, BF16_STATE, INT8_STATE, False)
+        else:
+            v_max = v
+    else:
+        m = tl.load(typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        v = tl.load(typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        if amsgrad:
+            v_max = tl.load(typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, mask=mask)
+        else:
+            v_max = v
+    return w, m, v, v_max
+
+
+@triton.jit
+def _store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
+                 SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
+                 SR: tl.constexpr):
+    """The update's writes: moments in their encoding, the param with its master (split or fp32),
+    or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
+    ``key`` is the program's random key ([note: rounding bits] in ampfused/_contract.py)."""
+    # the param first: its random word (word1, shared with max_exp_avg_sq) dies before the moments'
+    # word0 is made, so a block holds one word at a time
+    word1 = 0
+    if SR:
+        _, word1 = CS.random_words(offs, key, True)
+    if SPLIT16 or SPLIT8:
+        CS.store_split_master(t, param_dtype, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
+    elif t.master != 0:
+        tl.store(typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, w, mask=mask)
+        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
+    elif SR:
+        if param_dtype == DTYPE_BF16:  # bf16 without a master: stochastic rounding
+            CS.store_bf16(t.param, offs, mask, w, word1 >> 16, ALIGNED, True)
+        else:
+            store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
+    else:
+        store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
+    if BF16_STATE or INT8_STATE:
+        if amsgrad:
+            CS.store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
+                            v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+        word0 = 0
+        if SR:
+            word0, _ = CS.random_words(offs, key, False)
+        CS.store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED,
+                        BF16_STATE, INT8_STATE, True, SR)
+        CS.store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
+                        ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+    else:
+        tl.store(typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
+        tl.store(typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
+        if amsgrad:
+            tl.store(typed_ptr(t.max_exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v_max, mask=mask)
+
+
+@triton.jit
 def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.constexpr,
                  EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
@@ -101,7 +176,7 @@ def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.con
     (the round trips overlap) instead of once per dependent value.
     """
     g = load_f32(t.grad, t.grad_dtype, offs, mask, ALIGNED)
-    w, m, v, v_max = CS.load_state(t, param_dtype, offs, mask, first, end, s.amsgrad, ALIGNED, SPLIT16, SPLIT8,
+    w, m, v, v_max = _load_state(t, param_dtype, offs, mask, first, end, s.amsgrad, ALIGNED, SPLIT16, SPLIT8,
                                    BF16_STATE, INT8_STATE)
     if WRITE_GRAD:
         store_f32(t.grad, t.grad_dtype, offs, g * s.unscale, mask, ALIGNED)
@@ -133,7 +208,7 @@ def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.con
         root = tl.sqrt_rn(v)
     denom = tl.div_rn(root, s.bias_correction2_sqrt) + s.eps
     w = w + tl.div_rn(m * s.neg_step_size, denom)
-    CS.store_state(t, param_dtype, offs, mask, first, end, key, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
+    _store_state(t, param_dtype, offs, mask, first, end, key, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
                    SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
