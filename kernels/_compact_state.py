@@ -59,11 +59,6 @@ def random_words(offs, key, SECOND: tl.constexpr):
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _load_bf16(addr, offs, mask, ALIGNED: tl.constexpr):
     bits_ptr = typed_ptr(addr, tl.uint16, 8, ALIGNED)
     return (tl.load(bits_ptr + offs, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
@@ -127,9 +122,12 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
         magnitude = tl.abs(tl.sqrt_rn(x))
     if mask is not None:
         magnitude = tl.where(mask, magnitude, 0.0)
-    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks])
+    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks]). Magnitudes are
+    # non-negative floats or NaN (abs clears the sign), whose int32 bit patterns order as the floats
+    # do, NaN above inf: their integer maximum is amax's NaN-propagating one, and a built-in max,
+    # which the interpreter runs as one numpy reduce instead of a Python call per element
     GROUPS: tl.constexpr = x.shape[0] // INT8_BLOCK
-    scale = tl.reduce(tl.reshape(magnitude, (GROUPS, INT8_BLOCK)), 1, _max_nan)
+    scale = tl.max(tl.reshape(magnitude.to(tl.int32, bitcast=True), (GROUPS, INT8_BLOCK)), 1).to(tl.float32, bitcast=True)
     blocks = tl.arange(0, GROUPS)
     tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK + blocks, scale,
              mask=first + blocks * INT8_BLOCK < end)
