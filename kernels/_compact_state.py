@@ -122,12 +122,14 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
         magnitude = tl.abs(tl.sqrt_rn(x))
     if mask is not None:
         magnitude = tl.where(mask, magnitude, 0.0)
-    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks]). Magnitudes are
-    # non-negative floats or NaN (abs clears the sign), whose int32 bit patterns order as the floats
-    # do, NaN above inf: their integer maximum is amax's NaN-propagating one, and a built-in max,
-    # which the interpreter runs as one numpy reduce instead of a Python call per element
+    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks]). With the sign
+    # bit cleared (PTX leaves the sign of abs(NaN) unspecified), the int32 bit patterns of the
+    # magnitudes order as the floats do, NaN above inf: their integer maximum is amax's
+    # NaN-propagating one, and a built-in max, which the interpreter runs as one numpy reduce
+    # instead of a Python call per element
     GROUPS: tl.constexpr = x.shape[0] // INT8_BLOCK
-    scale = tl.max(tl.reshape(magnitude.to(tl.int32, bitcast=True), (GROUPS, INT8_BLOCK)), 1).to(tl.float32, bitcast=True)
+    bits = tl.reshape(magnitude.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, INT8_BLOCK))
+    scale = tl.max(bits, 1).to(tl.float32, bitcast=True)
     blocks = tl.arange(0, GROUPS)
     tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK + blocks, scale,
              mask=first + blocks * INT8_BLOCK < end)
