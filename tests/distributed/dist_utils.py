@@ -7,7 +7,9 @@ test with that rank's traceback, and a hang (a collective some rank never joins)
 """
 import faulthandler
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from datetime import timedelta
@@ -26,9 +28,11 @@ READY = "dist_utils/ready"  # ranks that have joined the process group (counted 
 STARTUP_TIMEOUT = 300.0  # spawning ranks and importing torch: seconds on an idle machine, minutes on a busy one
 
 
-def _entry(rank, world, port, backend, fn, args, timeout):
+def _entry(rank, world, port, backend, fn, args, timeout, stacks_dir):
     os.environ.setdefault("TRITON_INTERPRET", "1" if backend == "gloo" else "0")
-    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints where each of its threads was
+    global _stacks  # kept open for the life of the rank: a fatal signal writes every thread's stack there
+    _stacks = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")
+    faulthandler.enable(file=_stacks, all_threads=True)
     torch.set_num_threads(1)  # 2-4 ranks share the CI machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -66,17 +70,18 @@ def run(fn, world: int, *args, timeout: float = 150.0, backend: str = "gloo") ->
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; fail on any error, or when the ranks
     do not all join the group within ``STARTUP_TIMEOUT`` s or then do not finish within ``timeout`` s.
 
-    A rank killed by a signal (no Python error: a native abort, as torch's gloo teardown gave once in
-    CI, "terminate called without an active exception") reruns the whole test once, with a warning
-    that names the signal and the rank; a second one fails. A Python error or a hang never reruns.
+    A gloo rank that aborts (SIGABRT with no Python error, as torch's gloo process gave once in CI:
+    "terminate called without an active exception") reruns the whole test once, with a warning that
+    names the rank and holds its threads' stacks; a second abort fails. Any other signal (a
+    segfault in our extension, say), a Python error or a hang never reruns.
     """
     try:
         _run_once(fn, world, args, timeout, backend)
     except mp.ProcessExitedException as crash:
-        if crash.signal_name is None:
+        if backend != "gloo" or crash.signal_name != "SIGABRT":
             raise
-        warnings.warn(f"{getattr(fn, '__name__', fn)}: rank {crash.error_index} was killed by {crash.signal_name} "
-                      "(its threads' stacks are in the captured stderr); running the test again", RuntimeWarning)
+        warnings.warn(f"{getattr(fn, '__name__', fn)}: rank {crash.error_index} aborted; running the test again. "
+                      f"Its threads:\n{getattr(crash, 'stacks', '')}", RuntimeWarning)
         _run_once(fn, world, args, timeout, backend)
 
 
@@ -91,8 +96,9 @@ def _run_once(fn, world: int, args: tuple, timeout: float, backend: str) -> None
     """
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=STARTUP_TIMEOUT))
-    ctx = mp.start_processes(_entry, args=(world, store.port, backend, fn, args, timeout), nprocs=world, join=False,
-                             start_method="spawn")
+    stacks_dir = tempfile.mkdtemp(prefix="dist_utils_stacks_")
+    ctx = mp.start_processes(_entry, args=(world, store.port, backend, fn, args, timeout, stacks_dir), nprocs=world,
+                             join=False, start_method="spawn")
     name = getattr(fn, "__name__", fn)
     spawned, started = time.monotonic(), None
     try:
@@ -104,9 +110,14 @@ def _run_once(fn, world: int, args: tuple, timeout: float, backend: str) -> None
                 pytest.fail(f"{name}: not every one of {world} processes joined the group within {STARTUP_TIMEOUT:.0f} s")
             if started is not None and now - started >= timeout:
                 pytest.fail(f"{name} on {world} processes did not finish within {timeout:.0f} s")
+    except mp.ProcessExitedException as crash:
+        with open(os.path.join(stacks_dir, f"rank{crash.error_index}.txt")) as f:
+            crash.stacks = f.read()[-4000:]
+        raise
     finally:
         for p in ctx.processes:  # only ours, by handle
             if p.is_alive():
                 p.kill()
                 p.join()
         del store
+        shutil.rmtree(stacks_dir, ignore_errors=True)
