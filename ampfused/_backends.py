@@ -47,8 +47,8 @@ class Backend(Protocol):
         ``stats[SKIP] = 1.0`` if any element of any ``u_i`` is inf/NaN or ``found_inf`` is non-zero;
         ``stats[NORM] = sqrt(stats[SUMSQ])``, inf where that is finite but the step is skipped;
         ``stats[FACTOR] = inv_scale * min(1, max_grad_norm / (norm + CLIP_EPS))`` (``inv_scale``
-        alone without clipping): :func:`finish_` is the finish's specification.
-        ``check_nonfinite=False`` ignores the element flag (see :func:`finish_`).
+        alone without clipping): :func:`ampfused._contract.finish_` is the finish's specification.
+        ``check_nonfinite=False`` ignores the element flag (see :func:`~ampfused._contract.finish_`).
         ``scratch``: the caller's ``functional.Scratch`` (launch counters and partials, a host
         memo) or ``None`` for a fresh one; a backend that needs none ignores it.
         """

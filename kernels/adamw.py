@@ -383,7 +383,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
     ``grad_scale`` comes as the caller normalised it (a 1-element fp32 tensor on the params' device).
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
-    a step reads the grads' addresses and the group values only ([note: host time] in ``_tables``).
+    a step reads the grads' addresses and the group values only ([note: host time] in ``ampfused/_plan.py``).
     """
     params, grads = batch.params, batch.grads
     if not params:
