@@ -14,7 +14,8 @@ from torch import Tensor
 from . import _backends, _dtensor
 from ._batch import check_tensor_lr
 from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights,
-                        is_dense, master_mismatch)
+                        master_mismatch)
+from ._layout import is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # [note: wide params] float64 and complex params train as in torch.optim.AdamW (fp64 math; complex

@@ -87,7 +87,8 @@ from torch import Tensor
 from ._contract import INT8_BLOCK as BLOCK
 from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
                         SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, check_master_weights,
-                        encoding_for, is_dense, moment_encoding)
+                        encoding_for, moment_encoding)
+from ._layout import is_dense
 
 __all__ = [
     "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "stochastic_round_bf16",

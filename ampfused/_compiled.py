@@ -20,7 +20,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._contract import LR_VALUE, is_dense, same_flat_layout
+from ._contract import LR_VALUE
+from ._layout import is_dense, same_flat_layout
 
 OPS = ("accumulate", "grad_stats", "adamw_update", "scaler_update")
 BUILD_HINT = "run `pip install --no-build-isolation .` in an environment with torch to build it"

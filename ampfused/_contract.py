@@ -335,21 +335,3 @@ def finish_(stats: Tensor, grad_scale: Tensor | None, found_inf: Tensor | None, 
     stats[NORM] = torch.where(skip & torch.isfinite(norm), math.inf, norm)  # a skipped step's norm is non-finite
     stats[SKIP] = skip.float()
     stats[FACTOR] = factor
-
-
-def is_dense(t: Tensor) -> bool:
-    """True when ``t`` covers exactly ``numel`` consecutive elements (any dimension order, no gaps or
-    overlaps): what every backend addresses as flat memory from ``data_ptr()``."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def same_flat_layout(t: Tensor, like: Tensor) -> bool:
-    """Element k of ``t``'s memory is element k of ``like``'s (both contiguous, or equal strides)."""
-    return (t.is_contiguous() and like.is_contiguous()) or (t.shape == like.shape and t.stride() == like.stride())

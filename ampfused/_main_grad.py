@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _compiled, _dtensor
 from ._args import LOW_PRECISION, check_grad
-from ._contract import is_dense
+from ._layout import is_dense
 from ._state import FlatBuffer, uses_master
 
 OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> weakref of the optimizer owning its main_grad

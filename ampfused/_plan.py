@@ -11,7 +11,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _dtensor
 from ._args import check_grad, check_no_overlap
 from ._batch import Batch, Hyper, row_lr
-from ._contract import is_dense
+from ._layout import is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
 
 

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from . import _compact, _dtensor
 from ._args import LOW_PRECISION
-from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for, is_dense
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for
+from ._layout import is_dense
 
 ALIGN_BYTES = 128
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")  # the fp32 modes' (torch's) keys

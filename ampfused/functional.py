@@ -25,7 +25,8 @@ from torch import Tensor
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
 from ._batch import Batch, Hyper, row_lr
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, finish_, is_dense
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, finish_
+from ._layout import is_dense
 from ._state import wide_indices
 
 class Scratch:

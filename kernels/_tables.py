@@ -239,7 +239,7 @@ def check(t: Tensor, what: str, device: torch.device, dtypes) -> None:
 
 def dense(t: Tensor) -> bool:
     """No gaps and no overlap: the elements fill ``numel`` consecutive slots from ``data_ptr()``. The kernels'
-    copy of ``ampfused._contract.is_dense`` (this package imports nothing of ampfused; a test holds them equal)."""
+    copy of ``ampfused._layout.is_dense`` (this package imports nothing of ampfused; a test holds them equal)."""
     if t.is_contiguous():
         return True
     expected = 1  # strides, smallest first, must be the running products of the sizes
@@ -252,7 +252,7 @@ def dense(t: Tensor) -> bool:
 
 def same_flat_layout(t: Tensor, like: Tensor) -> bool:
     """Element k of ``t``'s memory is element k of ``like``'s (both contiguous, or equal strides); the
-    kernels' copy of ``ampfused._contract.same_flat_layout``."""
+    kernels' copy of ``ampfused._layout.same_flat_layout``."""
     return (t.is_contiguous() and like.is_contiguous()) or (t.shape == like.shape and t.stride() == like.stride())
 
 

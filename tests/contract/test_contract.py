@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from ampfused import _backends, _batch, _contract, functional, reference
+from ampfused import _backends, _batch, _contract, _layout, functional, reference
 from ampfused._compiled import CompiledBackend
 
 
@@ -70,11 +70,11 @@ def test_kernel_layout_checks_equal_the_contract():
     table = layout_table()
     expected_dense = {"contiguous", "transposed", "channels_last", "permuted", "row slice",
                       "size-1 dims, odd strides", "0-d", "0-d view", "empty", "empty, odd strides", "one element"}
-    assert {name for name, t in table if _contract.is_dense(t)} == expected_dense
+    assert {name for name, t in table if _layout.is_dense(t)} == expected_dense
     for name, t in table:
-        assert _tables.dense(t) == _contract.is_dense(t), name
+        assert _tables.dense(t) == _layout.is_dense(t), name
         for other_name, other in table:
-            assert _tables.same_flat_layout(t, other) == _contract.same_flat_layout(t, other), (name, other_name)
+            assert _tables.same_flat_layout(t, other) == _layout.same_flat_layout(t, other), (name, other_name)
 
 
 def test_python_modules_use_the_contract_itself():
