@@ -129,17 +129,52 @@ def get_backend(device_type: str):
     return CompiledBackend(device_type, module), ""
 
 
+def _laid_out(t: Tensor, like: Tensor | None) -> bool:
+    """Whether the op can read grad ``t`` as it is: dense, and laid out as ``like`` (its param) when given."""
+    return is_dense(t) if like is None else same_flat_layout(t, like)
+
+
 def _as_kernel_input(t: Tensor, like: Tensor | None = None) -> Tensor:
     """``t`` (a checked grad: ``_args.check_grad``) dense and laid out as ``like`` (the param).
 
     A channels_last grad of a channels_last param is used as it
     is; only a grad whose strides differ from its param's is copied, into the param's strides.
     """
-    if like is None:
-        return t if is_dense(t) else t.contiguous()
-    if same_flat_layout(t, like):
+    if _laid_out(t, like):
         return t
+    if like is None:
+        return t.contiguous()
     return torch.empty_like(like, dtype=t.dtype).copy_(t.view(like.shape) if t.is_contiguous() else t.reshape(like.shape))
+
+
+def _per_plan(scratch, name: str, batch, build):
+    """``build()``, kept in the caller's memo while the caller passes the same Scratch with the same
+    ``batch.params`` list, whose identity stands for all of the batch's lists: that promises the
+    tensors behind them unchanged but for the grads' addresses ([note: scratch] in functional.py),
+    so the per-tensor work of a step runs once per plan. Without a Scratch, every call builds."""
+    if scratch is None:
+        return build()
+    entry = scratch.memo.get(name)
+    if entry is None or entry[0] is not batch.params:
+        entry = scratch.memo[name] = (batch.params, build())
+    return entry[1]
+
+
+def _kernel_grads(batch, params, scratch, name: str) -> list:
+    """``batch.grads`` as the op reads them: each grad itself, or a copy laid out as its param
+    (``params``; dense where None) where its memory differs. Which grads need a copy is found once
+    per plan (:func:`_per_plan`: a plan's fresh grads keep the checked layouts), so a step that needs
+    none makes no Python call per tensor."""
+    grads = batch.grads
+    likes = params if params is not None else [None] * len(grads)
+    copies = _per_plan(scratch, name, batch,
+                       lambda: [i for i, (g, like) in enumerate(zip(grads, likes)) if not _laid_out(g, like)])
+    if not copies:
+        return grads
+    kernel_grads = list(grads)
+    for i in copies:
+        kernel_grads[i] = _as_kernel_input(grads[i], likes[i])
+    return kernel_grads
 
 
 def copy_back_unscaled(grads, kernel_grads) -> None:
@@ -182,21 +217,13 @@ class CompiledBackend:
 
     def grad_stats_(self, batch, grad_scale: Tensor | None, found_inf: Tensor | None,
                     max_grad_norm: float | None, stats: Tensor, scratch=None, *, check_nonfinite: bool = True) -> None:
-        torch.ops.ampfused.grad_stats([_as_kernel_input(g) for g in batch.grads], grad_scale, found_inf,
+        torch.ops.ampfused.grad_stats(_kernel_grads(batch, None, scratch, "compiled stats grads"), grad_scale, found_inf,
                                       None if max_grad_norm is None else float(max_grad_norm), stats,
                                       self._scratch_buffer(scratch, stats.device), check_nonfinite)
 
     def adamw_update_(self, batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
                       rounding_seed: int | None = None) -> None:
-        params, grads, groups, moment_scales = batch.params, batch.grads, batch.groups, batch.moment_scales
-        # compact state travels in the dtypes of masters and moments (csrc/ops.cpp); int8 codes with
-        # their block scales, three per tensor (an empty tensor for none), where the kernels serve them
-        flat_scales = None
-        if moment_scales is not None and any(s is not None for s in moment_scales):
-            if "int8" not in self.COMPACT_MODES:
-                raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
-            empty = self._empty(params[0].device)
-            flat_scales = [empty if t is None else t for s in moment_scales for t in (s if s is not None else (None,) * 3)]
+        groups = batch.groups
         # The op takes the batch as parallel per-field lists: a TORCH_LIBRARY schema types its arguments
         # as Tensor[] / float[] / int[] / Tensor?[], not records, so the group rows become one list per
         # field here (per group, never per tensor) and csrc/ops.cpp packs them into UpdateGroup records.
@@ -207,19 +234,34 @@ class CompiledBackend:
         # graphs, the float32 copy an lr on another device or of another dtype needs.
         lrs = [float(h.lr) if kind == LR_VALUE else 0.0 for h, kind in zip(groups, batch.lr_kinds)]
         lr_tensors = [None if kind == LR_VALUE else h.lr.detach() for h, kind in zip(groups, batch.lr_kinds)]
-        # an empty tensor stands for None in the op's mutable lists (see csrc/ops.cpp)
-        none = self._empty(params[0].device) if params else None
-        kernel_grads = [_as_kernel_input(g, p) for g, p in zip(grads, params)]
+        params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, flat_scales, index = \
+            _per_plan(scratch, "compiled update lists", batch, lambda: self._tensor_lists(batch))
+        kernel_grads = _kernel_grads(batch, params, scratch, "compiled update grads")
         torch.ops.ampfused.adamw_update(
-            list(params), kernel_grads, list(batch.exp_avgs), list(batch.exp_avg_sqs),
-            [none if t is None else t for t in batch.max_exp_avg_sqs], list(batch.steps),
-            [none if t is None else t for t in batch.masters], list(batch.group_ids), lrs, lr_tensors,
+            params, kernel_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, lrs, lr_tensors,
             [h.beta1 for h in groups], [h.beta2 for h in groups], [h.eps for h in groups],
             [h.weight_decay for h in groups], [h.flags for h in groups], stats,
             self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
-            flat_scales, None if batch.index is None else [int(i) for i in batch.index])
+            flat_scales, index)
         if grad_scale is not None:
-            copy_back_unscaled(grads, kernel_grads)
+            copy_back_unscaled(batch.grads, kernel_grads)
+
+    def _tensor_lists(self, batch) -> tuple:
+        """The op's per-tensor arguments but the grads, from ``batch``'s lists (a plan's stay the same
+        objects, so this runs once per plan: :func:`_per_plan`). An empty tensor stands for None in the
+        op's mutable lists (see csrc/ops.cpp); compact state travels in the dtypes of masters and
+        moments, int8 codes with their block scales, three per tensor, where the kernels serve them."""
+        params, moment_scales = batch.params, batch.moment_scales
+        none = self._empty(params[0].device)
+        flat_scales = None
+        if moment_scales is not None and any(s is not None for s in moment_scales):
+            if "int8" not in self.COMPACT_MODES:
+                raise NotImplementedError(f"the {self.NAME} kernels do not serve int8 moments (moment_scales given)")
+            flat_scales = [none if t is None else t for s in moment_scales for t in (s if s is not None else (None,) * 3)]
+        return (list(params), list(batch.exp_avgs), list(batch.exp_avg_sqs),
+                [none if t is None else t for t in batch.max_exp_avg_sqs], list(batch.steps),
+                [none if t is None else t for t in batch.masters], list(batch.group_ids), flat_scales,
+                None if batch.index is None else [int(i) for i in batch.index])
 
     def scaler_update_(self, found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
                        *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale) -> None:

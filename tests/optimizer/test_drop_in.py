@@ -133,6 +133,23 @@ def test_unscale_reaches_a_non_contiguous_grad(backend, device):
     torch.testing.assert_close(opt.grad_norm.cpu(), torch.tensor(math.sqrt(24.0)))
 
 
+def test_a_strided_grad_holds_the_unscaled_gradient_after_every_scaled_step(backend, device):
+    """A grad whose strides differ from its param's becomes a copy laid out as the param; after each
+    scaled step of one plan (fresh grads of the same layout) p.grad holds the unscaled gradient, as
+    torch's fused AdamW leaves it."""
+    p = torch.nn.Parameter(torch.zeros(4, 6, device=device))
+    opt = ampfused.FusedAmpAdamW([p], backend=backend)
+    scaler = ampfused.GradScaler(device.type, init_scale=1024.0)
+    for step in range(3):
+        scaler.scale(torch.zeros((), device=device))
+        grad = torch.arange(24.0, device=device).view(6, 4) + step
+        p.grad = (grad * 1024.0).t()
+        scaler.step(opt)
+        scaler.update()
+        torch.testing.assert_close(p.grad, grad.t(), msg=f"step {step}")
+        opt.zero_grad()
+
+
 def test_one_scaler_for_several_optimizers_matches_torch(backend, device):
     trajectories = []
     for stock in (True, False):
