@@ -1,8 +1,8 @@
 """Flat memory: the tensors every backend addresses from ``data_ptr()`` as ``numel`` consecutive elements.
 
-The Triton kernels, which import nothing of ``ampfused``, keep the same two tests
-(``kernels/_tables.dense`` and ``same_flat_layout``); tests/contract/test_contract.py checks that
-they agree on every layout.
+The Triton kernels, which import nothing of ``ampfused``, keep the same two tests (``dense`` and
+``same_flat_layout`` in kernels/_tables.py); tests/contract/test_contract.py checks that they agree
+on every layout.
 """
 from torch import Tensor
 
