@@ -223,6 +223,8 @@ class CompiledBackend:
 
     def adamw_update_(self, batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,
                       rounding_seed: int | None = None) -> None:
+        if not batch.params:
+            return
         groups = batch.groups
         # The op takes the batch as parallel per-field lists: a TORCH_LIBRARY schema types its arguments
         # as Tensor[] / float[] / int[] / Tensor?[], not records, so the group rows become one list per

@@ -79,7 +79,8 @@ class StepPlan:
         self.grad_refs: list | None = None  # weak references to all_grads between steps
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
-        self.grad_layouts = _grad_layouts(self.grads)  # what the checked grads look like: fresh ones must match
+        self.grad_layouts = _layouts(self.grads)  # what the checked grads look like: fresh ones must match
+        self.param_strides = _strides(self.params)  # a p.data swap keeping the address may change the strides
         # a DTensor's data_ptr() is 0: its local shard's stands for it
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
@@ -121,17 +122,16 @@ class StepPlan:
         data_ptrs = list(map(Tensor.data_ptr, self.params))
         if data_ptrs != self.data_ptrs and [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
             return False
+        if _strides(self.params) != self.param_strides:
+            return False
         grads = list(map(_GRAD, self.all_params))
         checked = self.all_grads if self.grad_refs is None else list(map(_deref, self.grad_refs))
-        if all(map(operator.is_, grads, checked)):
-            self.all_grads, self.grads = grads, [g for g in grads if g is not None]
-            self.grad_refs = None
-            return True
-        # new grad tensors for the same params (zero_grad(set_to_none=True) + backward): check them only
-        if [g is None for g in grads] != [g is None for g in checked]:
+        # new grad tensors for the same params (zero_grad(set_to_none=True) + backward) must have the
+        # params the checked ones had; any grad, the same tensor too (``p.grad.data = ...``), their layouts
+        if not all(map(operator.is_, grads, checked)) and [g is None for g in grads] != [g is None for g in checked]:
             return False  # another set of params has gradients
         fresh = [g for g in grads if g is not None]
-        if _grad_layouts(fresh) != self.grad_layouts:
+        if _layouts(fresh) != self.grad_layouts:
             return False
         self.all_grads, self.grads = grads, fresh
         self.grad_refs = None
@@ -196,18 +196,24 @@ def _deref(ref):
     return _FREED if grad is None else grad
 
 
-def _grad_layouts(grads: list) -> tuple | None:
-    """Dtype and strides of every grad, read with C-level maps (no Python call per grad).
+def _strides(tensors: list) -> list | None:
+    """The strides of every tensor, None when all are contiguous (one C-level bool per tensor)."""
+    return None if all(map(Tensor.is_contiguous, tensors)) else list(map(Tensor.stride, tensors))
+
+
+def _layouts(tensors: list) -> tuple | None:
+    """Dtype and strides of every tensor (grads, params), read with C-level maps (no Python call per tensor).
 
     zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
     them when they look like the grads it checked -- then only their addresses are new, which the
     backends' tables read from ``data_ptr()`` -- else the step re-validates through ``_args.check_grad``. Shape
     and device need no reading: torch's ``p.grad`` setter and autograd refuse a grad of another size
-    or device than its param; dtype is read because ``Tensor.grad_dtype`` may allow another.
+    or device than its param; dtype is read because ``Tensor.grad_dtype`` may allow another. The same
+    tensor is read again too: a ``.data`` assignment keeps it but may change its strides.
     """
     try:
-        if all(map(Tensor.is_contiguous, grads)):  # the common case: one bool per grad, no stride tuples
-            return list(map(_DTYPE, grads)), None
-        return list(map(_DTYPE, grads)), list(map(Tensor.stride, grads))
+        if all(map(Tensor.is_contiguous, tensors)):  # the common case: one bool per tensor, no stride tuples
+            return list(map(_DTYPE, tensors)), None
+        return list(map(_DTYPE, tensors)), list(map(Tensor.stride, tensors))
     except RuntimeError:  # a sparse grad has no strides: check_grad names the problem
         return None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampfused
-from helpers import DEVICE, assert_states_close, available_backends
+from helpers import DEVICE, assert_states_close, available_backends, tol
 
 BACKENDS = available_backends()
 
@@ -68,3 +68,85 @@ def test_a_fresh_grad_of_another_dtype_is_still_refused(backend):
         opt.step()
     for b, p in zip(before, params):
         assert torch.equal(b, p), "a refused step wrote a param"
+
+
+def _transposed_memory(t):
+    """``t``'s values in column-major memory: same shape, other strides."""
+    return t.t().contiguous().t()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grad_given_other_strides_in_place_steps_as_reference(backend):
+    """``p.grad.data = ...`` keeps the grad tensor but may change its strides: the plan reads its
+    layout again, the step re-lays it out, and the kernels never read it as flat memory in the old order."""
+    runs = []
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 6, device=DEVICE))]
+        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=name)
+        for step in range(3):
+            grad = torch.arange(24.0, device=DEVICE).view(4, 6) * (step + 1) / 24
+            if step == 0:
+                params[0].grad = grad
+            else:  # the same grad tensor, new values in column-major memory
+                params[0].grad.data = _transposed_memory(grad)
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert_states_close(ref, ref_params, opt, params, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_transposed_in_place_at_the_same_address_steps_as_reference(backend):
+    """``p.data = p.data.t()`` on a square param keeps its address but changes its strides: the plan
+    is rebuilt (the state follows the new layout) instead of reading it as flat memory in the old order."""
+    runs = []
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 5, device=DEVICE))]
+        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=name)
+        for step in range(3):
+            if step == 1:
+                address = params[0].data_ptr()
+                params[0].data = params[0].data.t()
+                assert params[0].data_ptr() == address
+            params[0].grad = torch.arange(25.0, device=DEVICE).view(5, 5) * (step + 1) / 25
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert_states_close(ref, ref_params, opt, params, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_kept_scratch_reads_a_strided_grad_through_a_copy_at_every_step(backend):
+    """The functional core with one Scratch over several steps (what the optimizer does) and a grad
+    whose strides differ from its param's: each step reads it through a laid-out copy and writes the
+    unscaled gradient back into it, as the reference passes do."""
+    from ampfused import _backends, functional, reference
+    from ampfused._batch import Batch, Hyper
+
+    results = []
+    for module in (reference, _backends.resolve(backend, DEVICE)[0]):
+        torch.manual_seed(0)
+        params = [torch.randn(4, 6, device=DEVICE), torch.randn(7, device=DEVICE)]
+        state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        steps = [torch.zeros((), device=DEVICE) for _ in params]
+        scratch = functional.Scratch()
+        batch = Batch(params, [], state[0], state[1], [None, None], steps, [None, None], [0, 0],
+                      [Hyper(1e-2, 0.9, 0.999, 1e-8, 0.01, False, False)])  # the grads come per step
+        grads_seen = []
+        for step in range(3):
+            scale = torch.tensor(8.0, device=DEVICE)
+            batch.grads = [_transposed_memory(torch.arange(24.0, device=DEVICE).view(4, 6) * (step + 1)),
+                           torch.arange(7.0, device=DEVICE) * 8]
+            functional.run_step(module, batch, functional.StepOptions(grad_scale=scale, max_grad_norm=1.0,
+                                                                       scratch=scratch))
+            grads_seen.append([g.clone() for g in batch.grads])
+        results.append((params, state, grads_seen))
+    (p_ref, s_ref, g_ref), (p, s, g) = results
+    for a, b in zip(p_ref + s_ref[0] + s_ref[1], p + s[0] + s[1]):
+        torch.testing.assert_close(b, a, **tol(backend))
+    for step, (ga, gb) in enumerate(zip(g_ref, g)):
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(b, a, msg=f"step {step}: the unscaled gradient")
+    assert not g[-1][0].is_contiguous(), "the caller's strided grad stays the caller's tensor"
