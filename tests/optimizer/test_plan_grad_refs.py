@@ -75,46 +75,50 @@ def _transposed_memory(t):
     return t.t().contiguous().t()
 
 
+def _steps_as_reference(backend, shape, set_grad, before_step=lambda step, p: None):
+    """Three steps of one param of ``shape`` on ``backend`` and on ``reference``, ``set_grad(step, p,
+    grad)`` giving each step's gradient and ``before_step`` changing the param first; states compared."""
+    runs = []
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(*shape, device=DEVICE))
+        opt = ampfused.FusedAmpAdamW([p], lr=1e-2, backend=name)
+        for step in range(3):
+            before_step(step, p)
+            set_grad(step, p, torch.arange(p.numel(), dtype=torch.float32, device=DEVICE).view(shape) * (step + 1) / p.numel())
+            opt.step()
+        runs.append((opt, [p]))
+    (ref, ref_params), (opt, params) = runs
+    assert_states_close(ref, ref_params, opt, params, backend)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_grad_given_other_strides_in_place_steps_as_reference(backend):
     """``p.grad.data = ...`` keeps the grad tensor but may change its strides: the plan reads its
     layout again, the step re-lays it out, and the kernels never read it as flat memory in the old order."""
-    runs = []
-    for name in ("reference", backend):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(4, 6, device=DEVICE))]
-        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=name)
-        for step in range(3):
-            grad = torch.arange(24.0, device=DEVICE).view(4, 6) * (step + 1) / 24
-            if step == 0:
-                params[0].grad = grad
-            else:  # the same grad tensor, new values in column-major memory
-                params[0].grad.data = _transposed_memory(grad)
-            opt.step()
-        runs.append((opt, params))
-    (ref, ref_params), (opt, params) = runs
-    assert_states_close(ref, ref_params, opt, params, backend)
+    def set_grad(step, p, grad):
+        if step == 0:
+            p.grad = grad
+        else:  # the same grad tensor, new values in column-major memory
+            p.grad.data = _transposed_memory(grad)
+
+    _steps_as_reference(backend, (4, 6), set_grad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_param_transposed_in_place_at_the_same_address_steps_as_reference(backend):
     """``p.data = p.data.t()`` on a square param keeps its address but changes its strides: the plan
     is rebuilt (the state follows the new layout) instead of reading it as flat memory in the old order."""
-    runs = []
-    for name in ("reference", backend):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(5, 5, device=DEVICE))]
-        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=name)
-        for step in range(3):
-            if step == 1:
-                address = params[0].data_ptr()
-                params[0].data = params[0].data.t()
-                assert params[0].data_ptr() == address
-            params[0].grad = torch.arange(25.0, device=DEVICE).view(5, 5) * (step + 1) / 25
-            opt.step()
-        runs.append((opt, params))
-    (ref, ref_params), (opt, params) = runs
-    assert_states_close(ref, ref_params, opt, params, backend)
+    def transpose_once(step, p):
+        if step == 1:
+            address = p.data_ptr()
+            p.data = p.data.t()
+            assert p.data_ptr() == address
+
+    def set_grad(step, p, grad):
+        p.grad = grad
+
+    _steps_as_reference(backend, (5, 5), set_grad, transpose_once)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
