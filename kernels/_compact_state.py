@@ -117,18 +117,18 @@ def store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constexp
 @triton.jit
 def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
-        magnitude = tl.abs(x)
+        value = x
     else:
-        magnitude = tl.abs(tl.sqrt_rn(x))
+        value = tl.sqrt_rn(x)
     if mask is not None:
-        magnitude = tl.where(mask, magnitude, 0.0)
+        value = tl.where(mask, value, 0.0)
     # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks]). With the sign
-    # bit cleared (PTX leaves the sign of abs(NaN) unspecified), the int32 bit patterns of the
-    # magnitudes order as the floats do, NaN above inf: their integer maximum is amax's
-    # NaN-propagating one, and a built-in max, which the interpreter runs as one numpy reduce
-    # instead of a Python call per element
+    # bit cleared, the int32 bit patterns are the magnitudes', which order as the floats do, NaN above
+    # inf (clearing it here rather than with abs, whose sign on a NaN PTX leaves unspecified): their
+    # integer maximum is amax's NaN-propagating one, and a built-in max, which the interpreter runs as
+    # one numpy reduce instead of a Python call per element
     GROUPS: tl.constexpr = x.shape[0] // INT8_BLOCK
-    bits = tl.reshape(magnitude.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, INT8_BLOCK))
+    bits = tl.reshape(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, INT8_BLOCK))
     scale = tl.max(bits, 1).to(tl.float32, bitcast=True)
     blocks = tl.arange(0, GROUPS)
     tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK + blocks, scale,
