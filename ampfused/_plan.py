@@ -212,8 +212,6 @@ def _layouts(tensors: list) -> tuple | None:
     tensor is read again too: a ``.data`` assignment keeps it but may change its strides.
     """
     try:
-        if all(map(Tensor.is_contiguous, tensors)):  # the common case: one bool per tensor, no stride tuples
-            return list(map(_DTYPE, tensors)), None
-        return list(map(_DTYPE, tensors)), list(map(Tensor.stride, tensors))
+        return list(map(_DTYPE, tensors)), _strides(tensors)
     except RuntimeError:  # a sparse grad has no strides: check_grad names the problem
         return None
