@@ -121,8 +121,10 @@ def _run_once(fn, world: int, args: tuple, timeout: float, backend: str) -> None
             if started is not None and now - started >= timeout:
                 pytest.fail(f"{name} on {world} processes did not finish within {timeout:.0f} s")
     except mp.ProcessExitedException as crash:
-        with open(os.path.join(stacks_dir, f"rank{crash.error_index}.txt")) as f:
-            crash.stacks = f.read()[-4000:]
+        stacks = os.path.join(stacks_dir, f"rank{crash.error_index}.txt")  # none when it died before faulthandler
+        if os.path.exists(stacks):
+            with open(stacks) as f:
+                crash.stacks = f.read()[-4000:]
         raise
     finally:
         for p in ctx.processes:  # only ours, by handle
