@@ -110,7 +110,7 @@ class Batch:
 
     def drop_grads(self) -> None:
         """Forget the grads, here and in ``parts``, until a step patches new ones in (a plan holds
-        its grads only weakly between steps: [note: grads held weakly] in ``_plan.py``)."""
+        no grad between steps: [note: grads released] in ``_plan.py``)."""
         self.grads = None
         for part in self.parts.values():
             for b in part:

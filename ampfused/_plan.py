@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-import weakref
+from itertools import compress, repeat
 
 import torch
 from torch import Tensor
@@ -64,19 +64,19 @@ class StepPlan:
     grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
     passes' share (``batch.parts``) live as long as the plan.
 
-    [note: grads held weakly] Between steps the plan holds its grads only through weak references
-    (``release_grads``, called when the step is done): ``zero_grad(set_to_none=True)`` then frees
-    them, as with torch's optimizers, instead of keeping a whole set of gradients alive through the
-    next forward and backward and freeing it inside the next ``step()`` (at 50M params, 200 MB
-    more peak memory and ~10 ms of munmap in the step).
+    [note: grads released] Between steps the plan holds no reference to the grads (``release_grads``,
+    called when the step is done): ``zero_grad(set_to_none=True)`` then frees them, as with torch's
+    optimizers, instead of keeping a whole set of gradients alive through the next forward and
+    backward and freeing it inside the next ``step()`` (at 50M params, 200 MB more peak memory and
+    ~10 ms of munmap in the step). A plan needs no grad's identity: it takes any grads that have the
+    params and the layouts of the ones it checked.
     """
 
     def __init__(self, param_groups, work, state, scratch):
         self.scratch = scratch  # functional.Scratch: the optimizer's launch scratch, a memo for this plan's tables
         self.groups = [(g, g["params"], len(g["params"]), g["amsgrad"]) for g in param_groups]
         self.all_params = [p for g in param_groups for p in g["params"]]
-        self.all_grads = [p.grad for p in self.all_params]
-        self.grad_refs: list | None = None  # weak references to all_grads between steps
+        self.has_grad = [p.grad is not None for p in self.all_params]  # which params step
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
         self.grad_layouts = _layouts(self.grads)  # what the checked grads look like: fresh ones must match
@@ -85,6 +85,8 @@ class StepPlan:
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
         self.states = states = [state[p] for p in self.params]
+        # opt.state as it was checked, read back by identity (no Python hash per tensor)
+        self.state_keys, self.state_values = list(state), list(state.values())
         # [note: compact state] int8 moments step as their codes (their scales ride in moment_scales)
         self.exp_avgs = [s[moment_key(s, "exp_avg")] for s in states]
         self.exp_avg_sqs = [s[moment_key(s, "exp_avg_sq")] for s in states]
@@ -114,7 +116,9 @@ class StepPlan:
         if len(param_groups) != len(self.groups):
             return False
         # opt.state emptied, replaced, a param's entry deleted or cleared (a reset of Adam): lazy state again
-        if state is not self.state or not all(map(operator.is_, map(state.get, self.params), self.states)) or not all(self.states):
+        if (state is not self.state or len(state) != len(self.state_keys) or not all(self.states)
+                or not all(map(operator.is_, state, self.state_keys))
+                or not all(map(operator.is_, state.values(), self.state_values))):
             return False
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
@@ -124,17 +128,16 @@ class StepPlan:
             return False
         if _strides(self.params) != self.param_strides:
             return False
+        # any grads (new tensors after zero_grad(set_to_none=True) + backward, or the same ones, whose
+        # ``p.grad.data = ...`` may have changed) serve when the same params have them, in the layouts checked
         grads = list(map(_GRAD, self.all_params))
-        checked = self.all_grads if self.grad_refs is None else list(map(_deref, self.grad_refs))
-        # new grad tensors for the same params (zero_grad(set_to_none=True) + backward) must have the
-        # params the checked ones had; any grad, the same tensor too (``p.grad.data = ...``), their layouts
-        if not all(map(operator.is_, grads, checked)) and [g is None for g in grads] != [g is None for g in checked]:
+        has_grad = list(map(operator.is_not, grads, repeat(None)))
+        if has_grad != self.has_grad:
             return False  # another set of params has gradients
-        fresh = [g for g in grads if g is not None]
+        fresh = list(compress(grads, has_grad))
         if _layouts(fresh) != self.grad_layouts:
             return False
-        self.all_grads, self.grads = grads, fresh
-        self.grad_refs = None
+        self.grads = fresh
         return True
 
     def batch_for_step(self):
@@ -155,12 +158,10 @@ class StepPlan:
         return self.batch, reduce_stats
 
     def release_grads(self) -> None:
-        """The step is done: keep the grads only weakly (see [note: grads held weakly])."""
-        if self.grad_refs is None:
-            self.grad_refs = [None if g is None else weakref.ref(g) for g in self.all_grads]
-            self.all_grads = self.grads = None
-            if self.batch is not None:
-                self.batch.drop_grads()
+        """The step is done: hold no grad until the next one (see [note: grads released])."""
+        self.grads = None
+        if self.batch is not None:
+            self.batch.drop_grads()
 
     def hypers(self) -> list[Hyper]:
         """The hyperparameters of every stepping group, read at every step (a scheduler may change them)."""
@@ -186,16 +187,6 @@ def _as_float(value):
 
 
 _DTYPE, _GRAD = operator.attrgetter("dtype"), operator.attrgetter("grad")
-_FREED = object()  # what a weak reference to a freed grad gives: never a param's current grad, nor None
-
-
-def _deref(ref):
-    if ref is None:
-        return None
-    grad = ref()
-    return _FREED if grad is None else grad
-
-
 def _strides(tensors: list) -> list | None:
     """The strides of every tensor, None when all are contiguous (one C-level bool per tensor)."""
     return None if all(map(Tensor.is_contiguous, tensors)) else list(map(Tensor.stride, tensors))

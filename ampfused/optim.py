@@ -266,7 +266,7 @@ class FusedAmpAdamW(Optimizer):
             max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
             skip_nonfinite=self.skip_nonfinite, keep_scaled_grads=self.keep_scaled_grads, reduce_stats=reduce_stats,
             scratch=plan.scratch, rounding_seed=seed))
-        plan.release_grads()  # [note: grads held weakly] in _plan.py
+        plan.release_grads()  # [note: grads released] in _plan.py
         return loss
 
     def state_dict(self) -> dict:

@@ -1,6 +1,10 @@
-"""The step plan holds the grads it checked only weakly between steps: zero_grad(set_to_none=True)
-frees them, as with torch's optimizers, and a later step still takes new grads and refuses bad ones."""
+"""The step plan, kept while params, grads and state are unchanged: it holds no grad between steps
+(zero_grad(set_to_none=True) frees them, as with torch's optimizers), a later step still takes new
+grads and refuses bad ones, a changed layout or state rebuilds it, and a warm step costs no Python call
+per tensor."""
+import contextlib
 import gc
+import sys
 import weakref
 
 import pytest
@@ -42,7 +46,7 @@ def test_fresh_grads_after_release_train_as_reference(backend):
     for k in range(4):
         _set_grads(params, k)
         _set_grads(ref_params, k)
-        if k == 2:  # the same grad tensors twice in a row (the identity path after a release)
+        if k == 2:  # the same grad tensors twice in a row
             opt.step()
             ref.step()
         opt.step()
@@ -154,3 +158,59 @@ def test_a_kept_scratch_reads_a_strided_grad_through_a_copy_at_every_step(backen
         for a, b in zip(ga, gb):
             torch.testing.assert_close(b, a, msg=f"step {step}: the unscaled gradient")
     assert not g[-1][0].is_contiguous(), "the caller's strided grad stays the caller's tensor"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_states_swapped_between_params_step_as_torch(backend):
+    """Two same-shaped params trade their ``opt.state`` entries mid-training (the keys stay, the values
+    move): the plan sees the new values and steps each param on the state opt.state now gives it."""
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: ampfused.FusedAmpAdamW(ps, lr=1e-2, backend=backend)):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in _params()[:1] * 3]
+        opt = make(params)
+        for k in range(4):
+            if k == 2:
+                opt.state[params[0]], opt.state[params[2]] = opt.state[params[2]], opt.state[params[0]]
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.01 * (k + 1) * (i + 1) * (1 if i != 1 else -1))
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert_states_close(ref, ref_params, opt, params, backend)
+
+
+def _python_calls_of_a_warm_step(backend, n_tensors):
+    params = [torch.nn.Parameter(torch.randn(16, device=DEVICE)) for _ in range(n_tensors)]
+    opt = ampfused.FusedAmpAdamW(params, backend=backend, max_grad_norm=1.0)
+    quiet = contextlib.nullcontext
+    if backend == "triton":  # the interpreter's own calls are not the host's: time the host side alone
+        from ampfused import kernels
+
+        quiet = kernels.host_only
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    for step in range(3):  # state, plan and tables built; the third step is a warm one
+        for p in params:
+            p.grad = torch.randn_like(p)  # new grad tensors, as zero_grad(set_to_none=True) + backward give
+        opt.grad_scale = torch.ones((), device=DEVICE)  # a GradScaler's step: the scale handed over
+        with quiet():
+            if step == 2:
+                sys.setprofile(count)
+            try:
+                opt.step()
+            finally:
+                sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_a_warm_step_makes_no_python_call_per_tensor(backend):
+    """docs/design.md §5: a warm step re-reads grads, addresses and layouts with C-level maps; a Python
+    call per tensor (a ``Tensor.__hash__``, a helper mapped over the params) would show as calls that
+    grow with the tensor count. (The reference backend is the per-tensor oracle, not a fast path.)"""
+    few, many = (_python_calls_of_a_warm_step(backend, n) for n in (8, 64))
+    assert few == many, f"a warm step made {few} Python calls at 8 tensors and {many} at 64"
