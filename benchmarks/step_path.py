@@ -3,7 +3,8 @@
 Run from a checkout: ``TRITON_INTERPRET=1 python benchmarks/step_path.py``. One warm
 ``FusedAmpAdamW.step()`` with a ``GradScaler`` and clipping (bf16 params with fp32 masters, as the
 common mixed-precision step) is traced with ``sys.settrace``; every repository file whose lines run
-is listed with the lines it ran and its length. The Triton kernels run in the interpreter, so their
+is listed with the lines it ran, the lines of the functions the step enters there (what a reader of
+the step follows: each function whole, its docstring and comments included) and the file's length. The Triton kernels run in the interpreter, so their
 Python is traced too. The compiled path's Python is traced on the ``cpu`` backend (the same
 ``_compiled.py`` as ``cuda``); the C++/CUDA sources a CUDA step runs are listed from the build's
 include graph, since a trace cannot see them: the op registration and wrapper and the CUDA sources,
@@ -12,6 +13,7 @@ with what they include, transitively.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import sys
@@ -23,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 CUDA_ENTRY = ("csrc/ops.cpp", "csrc/ops_common.cpp", "csrc/cuda/ops_cuda.cpp", "csrc/cuda/passes.cu")
 
 
-def trace_step(backend: str, optimizer_only: bool = False) -> dict[str, set[int]]:
+def trace_step(backend: str, optimizer_only: bool = False) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """({file: lines run}, {file: lines of the functions entered}) of one warm step."""
     import torch
 
     import ampfused
@@ -44,12 +47,15 @@ def trace_step(backend: str, optimizer_only: bool = False) -> dict[str, set[int]
     loss = model(torch.randn(16, 64, dtype=torch.bfloat16)).float().square().mean()
     scaler.scale(loss).backward()
     ran: dict[str, set[int]] = {}
+    entered = set()
     root = str(ROOT) + os.sep
 
     def tracer(frame, event, arg):
         path = frame.f_code.co_filename
         if not path.startswith(root) or "/tests/" in path or path.endswith("step_path.py"):
             return None
+        if event == "call":
+            entered.add(frame.f_code)
         ran.setdefault(os.path.relpath(path, ROOT), set()).add(frame.f_lineno)
         return tracer
 
@@ -64,7 +70,16 @@ def trace_step(backend: str, optimizer_only: bool = False) -> dict[str, set[int]
             scaler.update()
     finally:
         sys.settrace(None)
-    return ran
+    return ran, function_lines(entered)
+
+
+def function_lines(codes) -> dict[str, set[int]]:
+    """The source lines of every function in ``codes``, per file (a nested function counted once)."""
+    lines: dict[str, set[int]] = {}
+    for code in codes:
+        source, first = inspect.getsourcelines(code)
+        lines.setdefault(os.path.relpath(code.co_filename, ROOT), set()).update(range(first, first + len(source)))
+    return lines
 
 
 def included(sources) -> list[str]:
@@ -85,17 +100,21 @@ def length(rel: str) -> int:
     return len((ROOT / rel).read_text().splitlines())
 
 
-def report(title: str, ran: dict[str, set[int]], extra: list[str] = ()) -> None:
+def report(title: str, traced, extra: list[str] = ()) -> None:
+    ran, functions = traced
     print(f"\n{title}")
-    total_ran = total_len = 0
+    print(f"  {'file':40s} {'lines run':>9s} {'in functions entered':>21s} {'in the file':>11s}")
+    total_ran = total_functions = total_len = 0
     for rel in sorted(ran):
-        total_ran, total_len = total_ran + len(ran[rel]), total_len + length(rel)
-        print(f"  {rel:40s} {len(ran[rel]):5d} lines run of {length(rel):5d}")
+        n_ran, n_functions, n_len = len(ran[rel]), len(functions.get(rel, ())), length(rel)
+        total_ran, total_functions, total_len = total_ran + n_ran, total_functions + n_functions, total_len + n_len
+        print(f"  {rel:40s} {n_ran:9d} {n_functions:21d} {n_len:11d}")
     for rel in extra:
         total_len += length(rel)
-        print(f"  {rel:40s}       (C++/CUDA)   {length(rel):5d}")
+        print(f"  {rel:40s} {'(C++/CUDA)':>31s} {length(rel):11d}")
     files = len(ran) + len(extra)
-    print(f"  {files} files, {total_len} lines in them; {total_ran} Python lines run")
+    print(f"  {files} files, {total_len} lines in them; {total_functions} Python lines in the functions entered, "
+          f"{total_ran} of them run")
 
 
 def main() -> int:
