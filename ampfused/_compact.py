@@ -87,7 +87,7 @@ from torch import Tensor
 from ._contract import INT8_BLOCK as BLOCK
 from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
                         SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, check_master_weights,
-                        encoding_for, moment_encoding)
+                        dtype_names, encoding_for, master_mismatch, moment_encoding)
 from ._layout import is_dense
 
 __all__ = [
@@ -156,10 +156,16 @@ def split16(master: Tensor) -> tuple[Tensor, Tensor]:
     return _from_bits16(hi, torch.bfloat16).view(master.shape), _from_bits16(lo, torch.int16).view(master.shape)
 
 
+def _check_param(mode: str, dtype: torch.dtype) -> None:
+    """TypeError unless a ``mode`` master completes a param of ``dtype`` (``_contract.MASTER_PARAM_DTYPES``)."""
+    why = master_mismatch(mode, dtype)
+    if why is not None:
+        raise TypeError(f"{why}, not {dtype_names([dtype])}")
+
+
 def join16(param: Tensor, low: Tensor) -> Tensor:
     """(bf16 param, int16 low bits) -> fp32 master; ``join16(*split16(m)) == m`` but at ties and NaN."""
-    if param.dtype != torch.bfloat16:
-        raise TypeError(f"split16 masters need bf16 params, got {param.dtype}")
+    _check_param("split16", param.dtype)
     hi = _bits16(param)
     lo = _bits16(low)
     hi = torch.where(lo > 0x8000, hi - 1, hi)
@@ -177,8 +183,7 @@ def _ulp_exponent(p: Tensor) -> Tensor:
 
 def split8(master: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """fp32 master -> (param ``RNE(master)`` of ``dtype``, int8 residual in units of ``ulp(p)/256``)."""
-    if dtype not in _MANTISSA_BITS:
-        raise TypeError(f"split8 masters need bf16 or fp16 params, got {dtype}")
+    _check_param("split8", dtype)
     master = master.to(torch.float32)
     p = master.to(dtype)
     err = master - p.float()  # exact: p is within half a 16-bit ulp of master
@@ -189,8 +194,7 @@ def split8(master: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def join8(param: Tensor, residual: Tensor) -> Tensor:
     """(param, int8 residual) -> fp32 master ``p + q ulp(p)/256`` (exact)."""
-    if param.dtype not in _MANTISSA_BITS:
-        raise TypeError(f"split8 masters need bf16 or fp16 params, got {param.dtype}")
+    _check_param("split8", param.dtype)
     pf = param.float()
     correction = _scale_pow2(residual.float(), _ulp_exponent(param) - 8)
     return torch.where(residual == 0, pf, pf + correction)

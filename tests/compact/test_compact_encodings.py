@@ -114,6 +114,17 @@ def test_split8_special_values_and_overflow():
 
 # ------------------------------------------------------------------ bf16 rounding
 
+def test_split_masters_refuse_params_they_cannot_complete():
+    """split16 completes bf16 params only, split8 bf16 and fp16 (_contract.MASTER_PARAM_DTYPES): the
+    spec's join and split refuse any other, naming the encoding and what it needs."""
+    with pytest.raises(TypeError, match=r"split16 low halves\), which needs a bfloat16 param, not float16"):
+        C.join16(torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.int16))
+    for call in (lambda: C.split8(torch.zeros(2), torch.float32),
+                 lambda: C.join8(torch.zeros(2), torch.zeros(2, dtype=torch.int8))):
+        with pytest.raises(TypeError, match=r"split8 residuals\), which needs a bfloat16 or float16 param, not float32"):
+            call()
+
+
 def test_rne_is_torch_rounding_on_every_high_half():
     m = every_high_half()
     ours = C.round_bf16(m)
