@@ -112,8 +112,6 @@ def test_split8_special_values_and_overflow():
     assert torch.isinf(C.join8(p, q)).all(), "a master whose fp16 param overflows decodes to the param's inf"
 
 
-# ------------------------------------------------------------------ bf16 rounding
-
 def test_split_masters_refuse_params_they_cannot_complete():
     """split16 completes bf16 params only, split8 bf16 and fp16 (_contract.MASTER_PARAM_DTYPES): the
     spec's join and split refuse any other, naming the encoding and what it needs."""
@@ -124,6 +122,8 @@ def test_split_masters_refuse_params_they_cannot_complete():
         with pytest.raises(TypeError, match=r"split8 residuals\), which needs a bfloat16 or float16 param, not float32"):
             call()
 
+
+# ------------------------------------------------------------------ bf16 rounding
 
 def test_rne_is_torch_rounding_on_every_high_half():
     m = every_high_half()
