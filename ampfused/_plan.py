@@ -187,6 +187,8 @@ def _as_float(value):
 
 
 _DTYPE, _GRAD = operator.attrgetter("dtype"), operator.attrgetter("grad")
+
+
 def _strides(tensors: list) -> list | None:
     """The strides of every tensor, None when all are contiguous (one C-level bool per tensor)."""
     return None if all(map(Tensor.is_contiguous, tensors)) else list(map(Tensor.stride, tensors))
