@@ -53,12 +53,14 @@ class StepPlan:
     """The tensor lists of a step, kept while the params, their grads and the groups are unchanged.
 
     [note: host time] Validation, lazy state and the per-tensor lists cost Python per param; a
-    training loop steps the same params with the same grad tensors every step (fp32 ``p.grad`` that
-    autograd accumulates into in place, or our fp32 ``main_grad``), so a step only re-reads
-    ``p.grad`` and ``p.data_ptr()`` of every param and compares identities. Anything else -- a new
-    grad tensor, a ``p.data`` swap, a changed ``amsgrad``, an edited params list, a reset ``opt.state``
-    -- rebuilds the plan
-    through the validating path. Hyperparameters are read per group at every step.
+    training loop steps the same params every step, with grads that differ at most in their addresses
+    (new tensors after ``zero_grad(set_to_none=True)``). So a warm step only re-reads, with C-level
+    maps, ``opt.state``'s entries (by identity), every param's address, shape and strides, and which
+    params have a grad and its dtype, shape and strides. Anything else -- a ``p.data`` swap, a grad
+    of another layout or on another param, a changed ``amsgrad``, an edited params list, a reset
+    ``opt.state`` entry -- rebuilds the plan through the validating path. (A tensor replaced *inside*
+    a state entry, ``opt.state[p]["exp_avg"] = t``, is not seen: the step keeps its own views, as
+    it does across a plan rebuild.) Hyperparameters are read per group at every step.
 
     The plan builds one :class:`~ampfused._batch.Batch` ([note: batch]) and a step patches its
     grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
@@ -80,7 +82,7 @@ class StepPlan:
         self.params = [p for p, _, _ in work]
         self.grads = [grad for _, grad, _ in work]
         self.grad_layouts = _layouts(self.grads)  # what the checked grads look like: fresh ones must match
-        self.param_strides = _strides(self.params)  # a p.data swap keeping the address may change the strides
+        self.param_layouts = _shapes_and_strides(self.params)  # a p.data swap keeping the address may change them
         # a DTensor's data_ptr() is 0: its local shard's stands for it
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
@@ -115,7 +117,7 @@ class StepPlan:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
         if len(param_groups) != len(self.groups):
             return False
-        # opt.state emptied, replaced, a param's entry deleted or cleared (a reset of Adam): lazy state again
+        # opt.state emptied, replaced, a param's entry deleted, cleared or swapped (a reset of Adam): lazy state again
         if (state is not self.state or len(state) != len(self.state_keys) or not all(self.states)
                 or not all(map(operator.is_, state, self.state_keys))
                 or not all(map(operator.is_, state.values(), self.state_values))):
@@ -126,7 +128,7 @@ class StepPlan:
         data_ptrs = list(map(Tensor.data_ptr, self.params))
         if data_ptrs != self.data_ptrs and [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params] != self.data_ptrs:
             return False
-        if _strides(self.params) != self.param_strides:
+        if _shapes_and_strides(self.params) != self.param_layouts:
             return False
         # any grads (new tensors after zero_grad(set_to_none=True) + backward, or the same ones, whose
         # ``p.grad.data = ...`` may have changed) serve when the same params have them, in the layouts checked
@@ -186,7 +188,7 @@ def _as_float(value):
     return cached[1]
 
 
-_DTYPE, _GRAD = operator.attrgetter("dtype"), operator.attrgetter("grad")
+_DTYPE, _GRAD, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("grad"), operator.attrgetter("shape")
 
 
 def _strides(tensors: list) -> list | None:
@@ -194,17 +196,22 @@ def _strides(tensors: list) -> list | None:
     return None if all(map(Tensor.is_contiguous, tensors)) else list(map(Tensor.stride, tensors))
 
 
+def _shapes_and_strides(tensors: list) -> tuple:
+    """The shape of every tensor, and its strides where any is not contiguous (C-level maps)."""
+    return list(map(_SHAPE, tensors)), _strides(tensors)
+
+
 def _layouts(tensors: list) -> tuple | None:
-    """Dtype and strides of every tensor (grads, params), read with C-level maps (no Python call per tensor).
+    """Dtype, shape and strides of every tensor (grads), read with C-level maps (no Python call per tensor).
 
     zero_grad(set_to_none=True) gives new grad tensors every step; a plan takes
     them when they look like the grads it checked -- then only their addresses are new, which the
-    backends' tables read from ``data_ptr()`` -- else the step re-validates through ``_args.check_grad``. Shape
-    and device need no reading: torch's ``p.grad`` setter and autograd refuse a grad of another size
-    or device than its param; dtype is read because ``Tensor.grad_dtype`` may allow another. The same
-    tensor is read again too: a ``.data`` assignment keeps it but may change its strides.
+    backends' tables read from ``data_ptr()`` -- else the step re-validates through ``_args.check_grad``.
+    torch's ``p.grad`` setter and autograd refuse a grad of another size or device than its param,
+    but a ``p.grad.data = ...`` assignment does not, and may change the dtype, shape and strides of
+    the same tensor; dtype is read also because ``Tensor.grad_dtype`` may allow another.
     """
     try:
-        return list(map(_DTYPE, tensors)), _strides(tensors)
+        return list(map(_DTYPE, tensors)), _shapes_and_strides(tensors)
     except RuntimeError:  # a sparse grad has no strides: check_grad names the problem
         return None

@@ -214,7 +214,7 @@ class StateRoom:
         torch.optim.AdamW would raise a KeyError).
         """
         opt = self._owner()
-        if self.flat is None or p not in self.index or (amsgrad and id(p) not in self.amsgrad):
+        if self.flat is None or p not in self.index or (amsgrad and id(p) not in self.amsgrad) or self._laid_out_for_another_shape(p):
             self.layout()
         state = opt.state[p]
         wide = p.dtype not in KERNEL_DTYPES
@@ -230,9 +230,24 @@ class StateRoom:
             for key in extra:
                 state[key] = self.view(key, p).zero_()
 
+    def _laid_out_for_another_shape(self, p: Tensor) -> bool:
+        """``p``'s flat views have another shape than ``p`` (its ``p.data`` replaced, its state reset since)."""
+        if p.dtype not in KERNEL_DTYPES:
+            return False
+        key = next(iter(self.keys(p, False)))  # exp_avg or its int8 codes: p's shape
+        slot = self.slots.get(key, {}).get(p)
+        return slot is not None and self.flat[key].views[slot].shape != _dtensor.local(p).shape
+
     def prepare(self, work) -> None:
         """Lazy state for every ``(param, grad, group)`` about to step; state follows a param's memory format."""
         state_of = self._owner().state
+        for p, _, _ in work:  # checked before any state is created or moved
+            state = state_of.get(p)
+            if state and state[moment_key(state, "exp_avg")].shape != p.shape:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} has optimizer state of shape "
+                    f"{tuple(state[moment_key(state, 'exp_avg')].shape)}: its shape changed after its state was created "
+                    "(e.g. p.data = ...); reset its state first (del opt.state[p]), as torch.optim.AdamW needs too")
         for p, _, group in work:  # may re-lay out the flat state: finish before the plan takes views
             state = state_of[p]
             if not state or (group["amsgrad"] and moment_key(state, "max_exp_avg_sq") not in state):

@@ -214,3 +214,77 @@ def test_a_warm_step_makes_no_python_call_per_tensor(backend):
     grow with the tensor count. (The reference backend is the per-tensor oracle, not a fast path.)"""
     few, many = (_python_calls_of_a_warm_step(backend, n) for n in (8, 64))
     assert few == many, f"a warm step made {few} Python calls at 8 tensors and {many} at 64"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grad_moved_to_another_same_shaped_param_steps_as_torch(backend):
+    """The grads' dtypes, shapes and strides alone cannot tell which param has the grad: with one grad
+    that moves from the first of two same-shaped params to the second, each step updates the param
+    that has it (the plan reads which params have a grad, not only how many)."""
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: ampfused.FusedAmpAdamW(ps, lr=1e-2, backend=backend)):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in _params()[:1] * 2]
+        opt = make(params)
+        for k in range(4):
+            params[k % 2].grad = torch.full_like(params[0], 0.01 * (k + 1))
+            opt.step()
+            opt.zero_grad()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert_states_close(ref, ref_params, opt, params, backend)
+
+
+def _refused_after_a_warm_step(backend, change):
+    """Two steps, then ``change(params)`` and a step that must raise and write nothing."""
+    params = _params()
+    opt = ampfused.FusedAmpAdamW(params, backend=backend)
+    for k in range(2):
+        _set_grads(params, k)
+        opt.step()
+    change(params)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises((RuntimeError, ValueError), match="shape|elements"):
+        opt.step()
+    for b, p in zip(before, params):
+        assert torch.equal(b, p), "a refused step wrote a param"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grad_given_another_shape_in_place_is_refused(backend):
+    """``p.grad.data = <fewer elements>`` passes no setter check; the plan reads the grads' shapes, so
+    the step refuses it, as torch's AdamW does, instead of reading past the grad's memory."""
+    def shrink_grad(params):
+        params[0].grad.data = torch.randn(8, device=DEVICE)
+
+    _refused_after_a_warm_step(backend, shrink_grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_given_another_shape_at_the_same_address_is_refused(backend):
+    """``p.data = p.data[:8]`` keeps the address; the plan reads the params' shapes, so the step
+    refuses state of the old size, as torch's AdamW does, instead of stepping the old length."""
+    def shrink_param(params):
+        params[0].data = params[0].data[:8]
+        params[0].grad = torch.randn(8, device=DEVICE)
+
+    _refused_after_a_warm_step(backend, shrink_param)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_given_another_shape_steps_as_torch_once_its_state_is_reset(backend):
+    """What the refusal above advises: ``del opt.state[p]`` after ``p.data = ...`` of another shape
+    starts ``p`` afresh in its new shape (the flat state is laid out again), as torch's AdamW does."""
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: ampfused.FusedAmpAdamW(ps, lr=1e-2, backend=backend)):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in _params()]
+        opt = make(params)
+        for k in range(4):
+            if k == 2:
+                params[0].data = params[0].data[:8].clone()
+                del opt.state[params[0]]
+            _set_grads(params, k)
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert opt.state[params[0]]["exp_avg"].shape == (8,)
+    assert_states_close(ref, ref_params, opt, params, backend)
