@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 
 import torch
 from torch import Tensor
@@ -55,12 +55,12 @@ class StepPlan:
     [note: host time] Validation, lazy state and the per-tensor lists cost Python per param; a
     training loop steps the same params every step, with grads that differ at most in their addresses
     (new tensors after ``zero_grad(set_to_none=True)``). So a warm step only re-reads, with C-level
-    maps, ``opt.state``'s entries (by identity), every param's address, shape and strides, and which
-    params have a grad and its dtype, shape and strides. Anything else -- a ``p.data`` swap, a grad
-    of another layout or on another param, a changed ``amsgrad``, an edited params list, a reset
-    ``opt.state`` entry -- rebuilds the plan through the validating path. (A tensor replaced *inside*
-    a state entry, ``opt.state[p]["exp_avg"] = t``, is not seen: the step keeps its own views, as
-    it does across a plan rebuild.) Hyperparameters are read per group at every step.
+    maps, ``opt.state``'s entries and their values (by identity), every param's address, shape and
+    strides, and which params have a grad and its dtype, shape and strides. Anything else -- a
+    ``p.data`` swap, a grad of another layout or on another param, a changed ``amsgrad``, an edited
+    params list, a reset ``opt.state`` entry, a tensor assigned in one (``opt.state[p]["exp_avg"] =
+    t``, which the state room then copies into its flat storage) -- rebuilds the plan through the
+    validating path. Hyperparameters are read per group at every step.
 
     The plan builds one :class:`~ampfused._batch.Batch` ([note: batch]) and a step patches its
     grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
@@ -87,8 +87,9 @@ class StepPlan:
         self.data_ptrs = [p.data_ptr() or _dtensor.local(p).data_ptr() for p in self.params]
         self.state = state
         self.states = states = [state[p] for p in self.params]
-        # opt.state as it was checked, read back by identity (no Python hash per tensor)
+        # opt.state as it was checked, and every stepping param's entry, read back by identity (C-level maps)
         self.state_keys, self.state_values = list(state), list(state.values())
+        self.entry_values = _entry_values(states)
         # [note: compact state] int8 moments step as their codes (their scales ride in moment_scales)
         self.exp_avgs = [s[moment_key(s, "exp_avg")] for s in states]
         self.exp_avg_sqs = [s[moment_key(s, "exp_avg_sq")] for s in states]
@@ -117,10 +118,14 @@ class StepPlan:
         """True when this plan serves the coming step (its grads list refreshed); False to rebuild it."""
         if len(param_groups) != len(self.groups):
             return False
-        # opt.state emptied, replaced, a param's entry deleted, cleared or swapped (a reset of Adam): lazy state again
-        if (state is not self.state or len(state) != len(self.state_keys) or not all(self.states)
+        # opt.state emptied, replaced, a param's entry deleted, cleared or swapped (a reset of Adam): lazy state again,
+        # or a value assigned in an entry (opt.state[p]["exp_avg"] = t): the state room copies it in
+        if (state is not self.state or len(state) != len(self.state_keys)
                 or not all(map(operator.is_, state, self.state_keys))
                 or not all(map(operator.is_, state.values(), self.state_values))):
+            return False
+        values = _entry_values(self.states)
+        if len(values) != len(self.entry_values) or not all(map(operator.is_, values, self.entry_values)):
             return False
         for group, (g, params, n, amsgrad) in zip(param_groups, self.groups):
             if group is not g or group["params"] is not params or len(params) != n or group["amsgrad"] != amsgrad:
@@ -189,6 +194,11 @@ def _as_float(value):
 
 
 _DTYPE, _GRAD, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("grad"), operator.attrgetter("shape")
+
+
+def _entry_values(states: list) -> list:
+    """Every value of every state entry, in order (a cleared, grown or reassigned entry changes the list)."""
+    return list(chain.from_iterable(map(dict.values, states)))
 
 
 def _strides(tensors: list) -> list | None:

@@ -120,6 +120,33 @@ def scales_of(state: dict, amsgrad: bool) -> tuple | None:
     return state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales") if amsgrad else None
 
 
+# the state keys whose tensors take the param's shape (the int8 scales are per block)
+PARAM_SHAPED_KEYS = frozenset([*MOMENTS, *(m + "_codes" for m in MOMENTS), *(key for _, _, key, _ in MASTER_ENCODINGS.values())])
+
+
+def _check_entry(p: Tensor, state: dict | None) -> None:
+    """A state entry a step can take: its tensors of ``p``'s shape (a user may have assigned them, or
+    replaced ``p.data``). Raises before anything is created or moved."""
+    for key, value in (state or {}).items():
+        if key not in PARAM_SHAPED_KEYS:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"opt.state[p][{key!r}] is a {type(value).__name__}, not a tensor")
+        if value.shape != p.shape:
+            raise RuntimeError(
+                f"opt.state[p][{key!r}] has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: "
+                "state tensors take the parameter's shape (after p.data = ... of another shape, reset its state "
+                "first: del opt.state[p], as torch.optim.AdamW needs too)")
+
+
+def _same_memory(value, view: Tensor) -> bool:
+    """``value`` is ``view`` or a DTensor over it (``_dtensor.like_param``)."""
+    if not isinstance(value, Tensor):
+        return False
+    local = _dtensor.local(value)
+    return local.data_ptr() == view.data_ptr() and local.shape == view.shape and local.dtype == view.dtype
+
+
 def _like(p: Tensor, key: str) -> Tensor:
     """A meta tensor with the shape and strides the flat view of ``key`` takes for ``p``."""
     if key.endswith("_scales"):
@@ -186,7 +213,7 @@ class StateRoom:
         for p, state in opt.state.items():
             if not state:
                 continue
-            steps[index[p]].copy_(state["step"])
+            steps[index[p]].copy_(torch.as_tensor(state["step"]))  # (a number the user assigned too)
             state["step"] = steps[index[p]]
             if p.dtype not in KERNEL_DTYPES:  # [note: wide params] their state keeps its own tensors
                 continue
@@ -238,22 +265,36 @@ class StateRoom:
         slot = self.slots.get(key, {}).get(p)
         return slot is not None and self.flat[key].views[slot].shape != _dtensor.local(p).shape
 
+    def _holds_foreign_tensors(self, p: Tensor, state: dict) -> bool:
+        """``state`` holds a value that is not its place in the flat storage: the user assigned it
+        (``opt.state[p]["exp_avg"] = torch.zeros_like(p)``, ``state["step"] = torch.tensor(0.)``), as
+        torch.optim.AdamW lets one reset a moment. A layout copies it in and points the state at the
+        flat view again, so the step reads and writes what ``opt.state`` shows."""
+        if self.flat is None or p not in self.index:
+            return True
+        if not _same_memory(state["step"], self.steps[self.index[p]]):
+            return True
+        if p.dtype not in KERNEL_DTYPES:  # [note: wide params] their state keeps its own tensors
+            return False
+        for key, value in state.items():
+            slot = self.slots.get(key, {}).get(p)
+            if slot is not None and not _same_memory(value, self.flat[key].views[slot]):
+                return True
+        return False
+
     def prepare(self, work) -> None:
         """Lazy state for every ``(param, grad, group)`` about to step; state follows a param's memory format."""
         state_of = self._owner().state
         for p, _, _ in work:  # checked before any state is created or moved
-            state = state_of.get(p)
-            if state and state[moment_key(state, "exp_avg")].shape != p.shape:
-                raise RuntimeError(
-                    f"a parameter of shape {tuple(p.shape)} has optimizer state of shape "
-                    f"{tuple(state[moment_key(state, 'exp_avg')].shape)}: its shape changed after its state was created "
-                    "(e.g. p.data = ...); reset its state first (del opt.state[p]), as torch.optim.AdamW needs too")
+            _check_entry(p, state_of.get(p))
         for p, _, group in work:  # may re-lay out the flat state: finish before the plan takes views
             state = state_of[p]
             if not state or (group["amsgrad"] and moment_key(state, "max_exp_avg_sq") not in state):
                 self.init(p, group["amsgrad"])
             # memory format changed: state follows the param (a param with gaps keeps contiguous state)
             elif state[moment_key(state, "exp_avg")].stride() != p.stride() and is_dense(p):
+                self.layout()
+            elif self._holds_foreign_tensors(p, state):  # the copy in: tensors the user assigned
                 self.layout()
 
     def copy_pending_masters(self) -> None:

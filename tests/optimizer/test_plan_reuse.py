@@ -288,3 +288,21 @@ def test_a_param_given_another_shape_steps_as_torch_once_its_state_is_reset(back
     (ref, ref_params), (opt, params) = runs
     assert opt.state[params[0]]["exp_avg"].shape == (8,)
     assert_states_close(ref, ref_params, opt, params, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_tensor_assigned_in_another_shape_is_refused(backend):
+    """An assigned moment of the wrong shape is refused, naming the key, before anything is written."""
+    params = _params()
+    opt = ampfused.FusedAmpAdamW(params, backend=backend)
+    _set_grads(params, 0)
+    opt.step()
+    opt.state[params[0]]["exp_avg_sq"] = torch.zeros(3, device=DEVICE)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"opt.state\[p\]\['exp_avg_sq'\] has shape \(3,\) for a parameter of shape \(64,\)"):
+        opt.step()
+    opt.state[params[0]]["exp_avg_sq"] = 0.0
+    with pytest.raises(TypeError, match=r"opt.state\[p\]\['exp_avg_sq'\] is a float, not a tensor"):
+        opt.step()
+    for b, p in zip(before, params):
+        assert torch.equal(b, p), "a refused step wrote a param"

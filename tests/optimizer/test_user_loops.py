@@ -109,6 +109,33 @@ def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device,
     assert_states_close(ref, ref_params, amp, amp_params, backend)
 
 
+@pytest.mark.parametrize("how", ["exp_avg = zeros_like(p)", "step = tensor(0.)", "exp_avg_sq = its clone"])
+def test_assigning_a_state_tensor_is_what_the_next_step_reads_like_torch(backend, device, how):
+    """``opt.state[p]["exp_avg"] = torch.zeros_like(p)`` (a moment reset for a re-initialised layer) or
+    a new ``step``: torch's AdamW reads the assigned tensor from then on. ampfused copies it into its
+    flat state at the next step and points the entry back there, so the step reads the new values and
+    ``opt.state`` shows what the steps wrote (not a tensor that stopped moving)."""
+    base = make_params(SHAPES, device=device)
+    ref_params, amp_params = clone_params(base), clone_params(base)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    amp = ampfused.FusedAmpAdamW(amp_params, lr=1e-2, backend=backend)
+    for step in range(5):
+        for opt, params in ((ref, ref_params), (amp, amp_params)):
+            if step == 2:
+                state = opt.state[params[0]]
+                if how.startswith("exp_avg ="):
+                    state["exp_avg"] = torch.zeros_like(params[0])
+                elif how.startswith("step"):
+                    state["step"] = torch.tensor(0.0)
+                else:
+                    state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+            for p, g in zip(params, random_grads(base, step)):
+                p.grad = g.clone()
+            opt.step()
+    assert amp.state[amp_params[0]]["step"].item() == ref.state[ref_params[0]]["step"].item()
+    assert_states_close(ref, ref_params, amp, amp_params, backend)
+
+
 def test_a_low_precision_param_unfrozen_after_construction_accumulates_in_fp32(backend, device):
     """Gradual unfreezing: build the optimizer over the whole model with the backbone frozen, unfreeze it
     later. DESIGN §3: p.grad of a bf16 param must be the fp32, in-order sum of the micro-batches; a param
