@@ -214,9 +214,13 @@ class FusedAmpAdamW(Optimizer):
         from ._amp import unscale_and_check_
 
         self._main_grads.relayout_if_strides_changed()
-        work = grads_to_step(self.param_groups, self._param_dtypes, self._device)
-        if work:  # [distributed] local shards; the step all-reduces found_inf with the stats
-            unscale_and_check_(_dtensor.local_tensors([g for _, g, _ in work]), inv_scale.to(self._device), found_inf)
+        plan = self._plan
+        if plan is not None and plan.still_valid(self.param_groups, self.state):
+            grads = plan.grads  # the grads the next step reads, in the layouts the plan checked
+        else:
+            grads = [g for _, g, _ in grads_to_step(self.param_groups, self._param_dtypes, self._device)]
+        if grads:  # [distributed] local shards; the step all-reduces found_inf with the stats
+            unscale_and_check_(_dtensor.local_tensors(grads), inv_scale.to(self._device), found_inf)
 
     def _get_backend(self):
         if self._backend is None:

@@ -306,3 +306,36 @@ def test_a_state_tensor_assigned_in_another_shape_is_refused(backend):
         opt.step()
     for b, p in zip(before, params):
         assert torch.equal(b, p), "a refused step wrote a param"
+
+
+def _python_calls_of_a_warm_unscale(backend, n_tensors):
+    params = [torch.nn.Parameter(torch.randn(16, device=DEVICE)) for _ in range(n_tensors)]
+    opt = ampfused.FusedAmpAdamW(params, backend=backend)
+    scaler = ampfused.GradScaler(DEVICE.type)
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    for step in range(3):  # the third unscale_ is a warm one: the plan of the step before serves it
+        scaler.scale(torch.ones((), device=DEVICE))
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if step == 2:
+            sys.setprofile(count)
+        try:
+            scaler.unscale_(opt)  # (the tutorial loop's, before clip_grad_norm_)
+        finally:
+            sys.setprofile(None)
+        scaler.step(opt)
+        scaler.update()
+    return calls
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_a_warm_gradscaler_unscale_makes_no_python_call_per_tensor(backend):
+    """``scaler.unscale_(opt)`` reads the grads the next step reads through the step plan when it still
+    serves, instead of validating every grad again in Python."""
+    few, many = (_python_calls_of_a_warm_unscale(backend, n) for n in (8, 64))
+    assert few == many, f"a warm unscale_ made {few} Python calls at 8 tensors and {many} at 64"
