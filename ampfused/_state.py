@@ -120,23 +120,9 @@ def scales_of(state: dict, amsgrad: bool) -> tuple | None:
     return state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales") if amsgrad else None
 
 
-# the state keys whose tensors take the param's shape (the int8 scales are per block)
+# the state keys holding tensors: of the param's shape, but the int8 block scales (one per block)
 PARAM_SHAPED_KEYS = frozenset([*MOMENTS, *(m + "_codes" for m in MOMENTS), *(key for _, _, key, _ in MASTER_ENCODINGS.values())])
-
-
-def _check_entry(p: Tensor, state: dict | None) -> None:
-    """A state entry a step can take: its tensors of ``p``'s shape (a user may have assigned them, or
-    replaced ``p.data``). Raises before anything is created or moved."""
-    for key, value in (state or {}).items():
-        if key not in PARAM_SHAPED_KEYS:
-            continue
-        if not isinstance(value, Tensor):
-            raise TypeError(f"opt.state[p][{key!r}] is a {type(value).__name__}, not a tensor")
-        if value.shape != p.shape:
-            raise RuntimeError(
-                f"opt.state[p][{key!r}] has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: "
-                "state tensors take the parameter's shape (after p.data = ... of another shape, reset its state "
-                "first: del opt.state[p], as torch.optim.AdamW needs too)")
+TENSOR_KEYS = PARAM_SHAPED_KEYS | {m + "_scales" for m in MOMENTS}
 
 
 def _same_memory(value, view: Tensor) -> bool:
@@ -144,7 +130,8 @@ def _same_memory(value, view: Tensor) -> bool:
     if not isinstance(value, Tensor):
         return False
     local = _dtensor.local(value)
-    return local.data_ptr() == view.data_ptr() and local.shape == view.shape and local.dtype == view.dtype
+    return (local.data_ptr() == view.data_ptr() and local.shape == view.shape and local.stride() == view.stride()
+            and local.dtype == view.dtype)
 
 
 def _like(p: Tensor, key: str) -> Tensor:
@@ -213,7 +200,7 @@ class StateRoom:
         for p, state in opt.state.items():
             if not state:
                 continue
-            steps[index[p]].copy_(torch.as_tensor(state["step"]))  # (a number the user assigned too)
+            steps[index[p]].copy_(torch.as_tensor(state["step"]).reshape(()))  # (a number or [n] the user assigned)
             state["step"] = steps[index[p]]
             if p.dtype not in KERNEL_DTYPES:  # [note: wide params] their state keeps its own tensors
                 continue
@@ -258,12 +245,45 @@ class StateRoom:
                 state[key] = self.view(key, p).zero_()
 
     def _laid_out_for_another_shape(self, p: Tensor) -> bool:
-        """``p``'s flat views have another shape than ``p`` (its ``p.data`` replaced, its state reset since)."""
+        """``p``'s flat views are not those of its shape (its ``p.data`` replaced, its state reset since):
+        another shape, or other keys (int8 moments start at SMALL_TENSOR_NUMEL elements)."""
         if p.dtype not in KERNEL_DTYPES:
             return False
-        key = next(iter(self.keys(p, False)))  # exp_avg or its int8 codes: p's shape
-        slot = self.slots.get(key, {}).get(p)
-        return slot is not None and self.flat[key].views[slot].shape != _dtensor.local(p).shape
+        keys = list(self.keys(p, False))
+        if any(p not in self.slots.get(key, {}) for key in keys):
+            return True
+        return self.flat[keys[0]].views[self.slots[keys[0]][p]].shape != _dtensor.local(p).shape  # exp_avg (or its codes)
+
+    def check_entry(self, p: Tensor, state: dict | None) -> None:
+        """A state entry a step can take, whatever the user assigned in it: its tensors under this
+        optimizer's keys for ``p`` (``state_keys``), of ``p``'s shape (the int8 scales: one per block),
+        and a one-element ``step``. Raises before anything is created or moved."""
+        if not state:
+            return
+        step = state.get("step")
+        if isinstance(step, Tensor) and step.numel() != 1:
+            raise RuntimeError(f"opt.state[p]['step'] has {step.numel()} elements: a step count is one number")
+        allowed = self.keys(p, True) if p.dtype in KERNEL_DTYPES else MOMENTS
+        for key, value in state.items():
+            if key not in TENSOR_KEYS:  # step, and keys of the user's own
+                continue
+            what = f"opt.state[p][{key!r}]"
+            if not isinstance(value, Tensor):
+                raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
+            if key.endswith("_scales"):  # (the local shard's blocks, a plain tensor for a DTensor param too)
+                shape = (-(-_dtensor.local(p).numel() // _compact.BLOCK),)
+            else:
+                _dtensor.check_state(p, value, what)
+                shape = p.shape
+            if value.shape != shape:
+                raise RuntimeError(
+                    f"{what} has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: it takes "
+                    f"shape {tuple(shape)} (after p.data = ... of another shape, reset its state first: "
+                    "del opt.state[p], as torch.optim.AdamW needs too)")
+            if key not in allowed:
+                raise RuntimeError(
+                    f"{what}: this optimizer keeps this parameter's state under {', '.join(map(repr, allowed))} "
+                    "(its master_weights and state_dtype); assign those, or reset the state: del opt.state[p]")
 
     def _holds_foreign_tensors(self, p: Tensor, state: dict) -> bool:
         """``state`` holds a value that is not its place in the flat storage: the user assigned it
@@ -286,7 +306,7 @@ class StateRoom:
         """Lazy state for every ``(param, grad, group)`` about to step; state follows a param's memory format."""
         state_of = self._owner().state
         for p, _, _ in work:  # checked before any state is created or moved
-            _check_entry(p, state_of.get(p))
+            self.check_entry(p, state_of.get(p))
         for p, _, group in work:  # may re-lay out the flat state: finish before the plan takes views
             state = state_of[p]
             if not state or (group["amsgrad"] and moment_key(state, "max_exp_avg_sq") not in state):

@@ -221,6 +221,8 @@ class FusedAmpAdamW(Optimizer):
             grads = [g for _, g, _ in grads_to_step(self.param_groups, self._param_dtypes, self._device)]
         if grads:  # [distributed] local shards; the step all-reduces found_inf with the stats
             unscale_and_check_(_dtensor.local_tensors(grads), inv_scale.to(self._device), found_inf)
+        if plan is not None:
+            plan.release_grads()  # the step reads them again; no step may follow ([note: grads released])
 
     def _get_backend(self):
         if self._backend is None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ampfused
-from helpers import DEVICE, assert_states_close, available_backends, tol
+from helpers import DEVICE, assert_params_close, assert_states_close, available_backends, tol
 
 BACKENDS = available_backends()
 
@@ -271,6 +271,34 @@ def test_a_param_given_another_shape_at_the_same_address_is_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_given_another_shape_that_keeps_its_old_grad_is_refused(backend):
+    """The same, the grad left as it was: the grads' layouts are unchanged, so only the params' shapes,
+    re-read by the plan, show that the step would run over the old length."""
+    def shrink_param_only(params):
+        params[0].data = params[0].data[:8]
+
+    _refused_after_a_warm_step(backend, shrink_param_only)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_torch_key_assigned_under_int8_moments_is_refused_before_any_write(backend):
+    """With int8 moments the entry holds ``exp_avg_codes``/``exp_avg_scales``: a torch-style reset
+    ``state["exp_avg"] = zeros_like(p)`` is refused, naming the keys to assign, and nothing is written
+    (the step count included)."""
+    p = torch.nn.Parameter(torch.randn(4096, device=DEVICE))
+    opt = ampfused.FusedAmpAdamW([p], backend=backend, state_dtype="int8")
+    for k in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"opt.state\[p\]\['exp_avg'\]: this optimizer keeps .*'exp_avg_codes'"):
+        opt.step()
+    assert torch.equal(before, p), "a refused step wrote the param"
+    assert opt.state[p]["step"].item() == 2, "a refused step counted a step"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_param_given_another_shape_steps_as_torch_once_its_state_is_reset(backend):
     """What the refusal above advises: ``del opt.state[p]`` after ``p.data = ...`` of another shape
     starts ``p`` afresh in its new shape (the flat state is laid out again), as torch's AdamW does."""
@@ -339,3 +367,52 @@ def test_a_warm_gradscaler_unscale_makes_no_python_call_per_tensor(backend):
     serves, instead of validating every grad again in Python."""
     few, many = (_python_calls_of_a_warm_unscale(backend, n) for n in (8, 64))
     assert few == many, f"a warm unscale_ made {few} Python calls at 8 tensors and {many} at 64"
+
+
+@pytest.mark.parametrize("grow", [True, False], ids=["grows past the int8 cut", "shrinks below it"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_param_crossing_the_int8_cut_steps_as_reference_once_its_state_is_reset(backend, grow):
+    """Under state_dtype="int8" a tensor's moments are int8 from SMALL_TENSOR_NUMEL elements up, fp32
+    below: after ``p.data`` of a size on the other side and ``del opt.state[p]``, the state is laid
+    out again under the new size's keys."""
+    from ampfused._contract import SMALL_TENSOR_NUMEL
+
+    sizes = (100, SMALL_TENSOR_NUMEL * 2) if grow else (SMALL_TENSOR_NUMEL * 2, 100)
+    runs = []
+    for name in ("reference", backend):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(sizes[0], device=DEVICE)), torch.nn.Parameter(torch.randn(64, device=DEVICE))]
+        opt = ampfused.FusedAmpAdamW(params, lr=1e-2, backend=name, state_dtype="int8")
+        for k in range(4):
+            if k == 2:
+                params[0].data = torch.linspace(-1, 1, sizes[1], device=DEVICE)
+                del opt.state[params[0]]
+            for p in params:
+                p.grad = torch.linspace(-0.1, 0.1 * (k + 1), p.numel(), device=DEVICE)
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_params), (opt, params) = runs
+    assert set(opt.state[params[0]]) == set(ref.state[ref_params[0]])
+    assert ("exp_avg_codes" in opt.state[params[0]]) == grow
+    assert_params_close(ref_params, params, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unscale_not_followed_by_a_step_frees_the_grads_at_zero_grad(backend):
+    """``scaler.unscale_(opt)``, a non-finite norm, ``opt.zero_grad()`` and no step (a loop that skips
+    the step itself): the plan that served the unscale holds no grad afterwards."""
+    params = _params()
+    opt = ampfused.FusedAmpAdamW(params, backend=backend)
+    scaler = ampfused.GradScaler(DEVICE.type)
+    for k in range(2):
+        scaler.scale(torch.ones((), device=DEVICE))
+        _set_grads(params, k)
+        scaler.step(opt)
+        scaler.update()
+    scaler.scale(torch.ones((), device=DEVICE))
+    _set_grads(params, 2)
+    refs = [weakref.ref(p.grad) for p in params]
+    scaler.unscale_(opt)
+    opt.zero_grad()
+    gc.collect()
+    assert all(r() is None for r in refs), "the optimizer kept a gradient alive after unscale_ and zero_grad()"

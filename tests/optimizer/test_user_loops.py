@@ -12,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler
 
 import ampfused
-from helpers import assert_states_close, clone_params, make_params, mlp, random_grads, tol
+from helpers import STATE_KEYS, assert_states_close, clone_params, make_params, mlp, random_grads, tol
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
 
@@ -109,7 +109,8 @@ def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device,
     assert_states_close(ref, ref_params, amp, amp_params, backend)
 
 
-@pytest.mark.parametrize("how", ["exp_avg = zeros_like(p)", "step = tensor(0.)", "exp_avg_sq = its clone"])
+@pytest.mark.parametrize("how", ["exp_avg = zeros_like(p)", "step = tensor(0.)", "step = tensor([0.])",
+                                 "exp_avg_sq = its clone"])
 def test_assigning_a_state_tensor_is_what_the_next_step_reads_like_torch(backend, device, how):
     """``opt.state[p]["exp_avg"] = torch.zeros_like(p)`` (a moment reset for a re-initialised layer) or
     a new ``step``: torch's AdamW reads the assigned tensor from then on. ampfused copies it into its
@@ -126,14 +127,18 @@ def test_assigning_a_state_tensor_is_what_the_next_step_reads_like_torch(backend
                 if how.startswith("exp_avg ="):
                     state["exp_avg"] = torch.zeros_like(params[0])
                 elif how.startswith("step"):
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.tensor([0.0]) if "[" in how else torch.tensor(0.0)
                 else:
                     state["exp_avg_sq"] = state["exp_avg_sq"].clone()
             for p, g in zip(params, random_grads(base, step)):
                 p.grad = g.clone()
             opt.step()
     assert amp.state[amp_params[0]]["step"].item() == ref.state[ref_params[0]]["step"].item()
-    assert_states_close(ref, ref_params, amp, amp_params, backend)
+    # (torch keeps an assigned [1]-shaped step as it is; ampfused's steps stay 0-d views of one flat buffer)
+    keys = ("exp_avg", "exp_avg_sq") if "[" in how else STATE_KEYS
+    assert_states_close(ref, ref_params, amp, amp_params, backend, keys=keys)
+    first, second = (amp.state[p]["exp_avg_sq"].untyped_storage().data_ptr() for p in amp_params[:2])
+    assert first == second, "the assigned tensor was stepped in place of the optimizer's flat state"
 
 
 def test_a_low_precision_param_unfrozen_after_construction_accumulates_in_fp32(backend, device):
