@@ -59,19 +59,13 @@ def test_fresh_grads_after_release_train_as_reference(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_fresh_grad_of_another_dtype_is_still_refused(backend):
-    params = _params()
-    opt = ampfused.FusedAmpAdamW(params, backend=backend)
-    _set_grads(params, 0)
-    opt.step()
-    opt.zero_grad()
-    params[0].grad_dtype = None  # torch refuses the assignment otherwise
-    params[0].grad = torch.zeros_like(params[0], dtype=torch.float64)
-    params[1].grad = torch.zeros_like(params[1])
-    before = [p.detach().clone() for p in params]
-    with pytest.raises((RuntimeError, TypeError, ValueError)):
-        opt.step()
-    for b, p in zip(before, params):
-        assert torch.equal(b, p), "a refused step wrote a param"
+    def float64_grad(opt, params):
+        opt.zero_grad()
+        params[0].grad_dtype = None  # torch refuses the assignment otherwise
+        params[0].grad = torch.zeros_like(params[0], dtype=torch.float64)
+        params[1].grad = torch.zeros_like(params[1])
+
+    _refused_after_a_warm_step(backend, float64_grad, errors=(RuntimeError, TypeError, ValueError))
 
 
 def _transposed_memory(t):
@@ -234,16 +228,17 @@ def test_a_grad_moved_to_another_same_shaped_param_steps_as_torch(backend):
     assert_states_close(ref, ref_params, opt, params, backend)
 
 
-def _refused_after_a_warm_step(backend, change):
-    """Two steps, then ``change(params)`` and a step that must raise and write nothing."""
+def _refused_after_a_warm_step(backend, change, match=None, errors=(RuntimeError, ValueError)):
+    """Two steps, then ``change(opt, params)`` and a step that must raise ``errors`` (matching ``match``)
+    and write nothing."""
     params = _params()
     opt = ampfused.FusedAmpAdamW(params, backend=backend)
     for k in range(2):
         _set_grads(params, k)
         opt.step()
-    change(params)
+    change(opt, params)
     before = [p.detach().clone() for p in params]
-    with pytest.raises((RuntimeError, ValueError), match="shape|elements"):
+    with pytest.raises(errors, match=match):
         opt.step()
     for b, p in zip(before, params):
         assert torch.equal(b, p), "a refused step wrote a param"
@@ -253,31 +248,31 @@ def _refused_after_a_warm_step(backend, change):
 def test_a_grad_given_another_shape_in_place_is_refused(backend):
     """``p.grad.data = <fewer elements>`` passes no setter check; the plan reads the grads' shapes, so
     the step refuses it, as torch's AdamW does, instead of reading past the grad's memory."""
-    def shrink_grad(params):
+    def shrink_grad(opt, params):
         params[0].grad.data = torch.randn(8, device=DEVICE)
 
-    _refused_after_a_warm_step(backend, shrink_grad)
+    _refused_after_a_warm_step(backend, shrink_grad, match="shape|elements")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_param_given_another_shape_at_the_same_address_is_refused(backend):
     """``p.data = p.data[:8]`` keeps the address; the plan reads the params' shapes, so the step
     refuses state of the old size, as torch's AdamW does, instead of stepping the old length."""
-    def shrink_param(params):
+    def shrink_param(opt, params):
         params[0].data = params[0].data[:8]
         params[0].grad = torch.randn(8, device=DEVICE)
 
-    _refused_after_a_warm_step(backend, shrink_param)
+    _refused_after_a_warm_step(backend, shrink_param, match="shape|elements")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_param_given_another_shape_that_keeps_its_old_grad_is_refused(backend):
     """The same, the grad left as it was: the grads' layouts are unchanged, so only the params' shapes,
     re-read by the plan, show that the step would run over the old length."""
-    def shrink_param_only(params):
+    def shrink_param_only(opt, params):
         params[0].data = params[0].data[:8]
 
-    _refused_after_a_warm_step(backend, shrink_param_only)
+    _refused_after_a_warm_step(backend, shrink_param_only, match="shape|elements")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -320,20 +315,17 @@ def test_a_param_given_another_shape_steps_as_torch_once_its_state_is_reset(back
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_state_tensor_assigned_in_another_shape_is_refused(backend):
-    """An assigned moment of the wrong shape is refused, naming the key, before anything is written."""
-    params = _params()
-    opt = ampfused.FusedAmpAdamW(params, backend=backend)
-    _set_grads(params, 0)
-    opt.step()
-    opt.state[params[0]]["exp_avg_sq"] = torch.zeros(3, device=DEVICE)
-    before = [p.detach().clone() for p in params]
-    with pytest.raises(RuntimeError, match=r"opt.state\[p\]\['exp_avg_sq'\] has shape \(3,\) for a parameter of shape \(64,\)"):
-        opt.step()
-    opt.state[params[0]]["exp_avg_sq"] = 0.0
-    with pytest.raises(TypeError, match=r"opt.state\[p\]\['exp_avg_sq'\] is a float, not a tensor"):
-        opt.step()
-    for b, p in zip(before, params):
-        assert torch.equal(b, p), "a refused step wrote a param"
+    """An assigned moment of the wrong shape, or not a tensor, is refused, naming the key, before
+    anything is written."""
+    def assign(value):
+        def change(opt, params):
+            opt.state[params[0]]["exp_avg_sq"] = value
+        return change
+
+    _refused_after_a_warm_step(backend, assign(torch.zeros(3, device=DEVICE)),
+                               match=r"opt.state\[p\]\['exp_avg_sq'\] has shape \(3,\) for a parameter of shape \(64,\)")
+    _refused_after_a_warm_step(backend, assign(0.0), match=r"opt.state\[p\]\['exp_avg_sq'\] is a float, not a tensor",
+                               errors=TypeError)
 
 
 def _python_calls_of_a_warm_unscale(backend, n_tensors):

@@ -79,29 +79,40 @@ def state_dict_through_disk(sd):
 # ------------------------------------------------------------------------------------------ confirmed bugs
 
 
+def _beside_torch(backend, device, steps, change_at, change):
+    """``steps`` steps of torch's AdamW and of FusedAmpAdamW on the same params and grads, ``change(opt,
+    params)`` applied to both before step ``change_at``: ((torch's opt, params), (ours, params))."""
+    base = make_params(SHAPES, device=device)
+    runs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: ampfused.FusedAmpAdamW(ps, lr=1e-2, backend=backend)):
+        params = clone_params(base)
+        opt = make(params)
+        for step in range(steps):
+            if step == change_at:
+                change(opt, params)
+            for p, g in zip(params, random_grads(base, step)):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((opt, params))
+    return runs
+
+
 @pytest.mark.parametrize("how", ["state.clear()", "state = defaultdict(dict)", "del state[p]", "state[p].clear()"])
 def test_resetting_the_optimizer_state_restarts_adam_like_torch(backend, device, how):
     """Resetting Adam's moments mid-training (continual learning, RL, re-initialised layers) is done by
     emptying ``opt.state``; torch then starts those params afresh (step 1, zero moments) and keeps the
     new state in ``opt.state`` / ``state_dict()``. ampfused keeps stepping the old flat views."""
-    base = make_params(SHAPES, device=device)
-    ref_params, amp_params = clone_params(base), clone_params(base)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2)
-    amp = ampfused.FusedAmpAdamW(amp_params, lr=1e-2, backend=backend)
-    for step in range(6):
-        for opt, params in ((ref, ref_params), (amp, amp_params)):
-            if step == 3:
-                if how == "state.clear()":
-                    opt.state.clear()
-                elif how == "state = defaultdict(dict)":
-                    opt.state = defaultdict(dict)
-                elif how == "state[p].clear()":
-                    opt.state[params[0]].clear()
-                else:
-                    del opt.state[params[0]]
-            for p, g in zip(params, random_grads(base, step)):
-                p.grad = g.clone()
-            opt.step()
+    def reset(opt, params):
+        if how == "state.clear()":
+            opt.state.clear()
+        elif how == "state = defaultdict(dict)":
+            opt.state = defaultdict(dict)
+        elif how == "state[p].clear()":
+            opt.state[params[0]].clear()
+        else:
+            del opt.state[params[0]]
+
+    (ref, ref_params), (amp, amp_params) = _beside_torch(backend, device, steps=6, change_at=3, change=reset)
     assert amp.state.get(amp_params[0]), "after the reset, steps ran on state that opt.state no longer holds"
     assert amp.state[amp_params[0]]["step"].item() == ref.state[ref_params[0]]["step"].item() == 3
     assert len(amp.state_dict()["state"]) == len(ref.state_dict()["state"]) == len(SHAPES)
@@ -116,23 +127,16 @@ def test_assigning_a_state_tensor_is_what_the_next_step_reads_like_torch(backend
     a new ``step``: torch's AdamW reads the assigned tensor from then on. ampfused copies it into its
     flat state at the next step and points the entry back there, so the step reads the new values and
     ``opt.state`` shows what the steps wrote (not a tensor that stopped moving)."""
-    base = make_params(SHAPES, device=device)
-    ref_params, amp_params = clone_params(base), clone_params(base)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2)
-    amp = ampfused.FusedAmpAdamW(amp_params, lr=1e-2, backend=backend)
-    for step in range(5):
-        for opt, params in ((ref, ref_params), (amp, amp_params)):
-            if step == 2:
-                state = opt.state[params[0]]
-                if how.startswith("exp_avg ="):
-                    state["exp_avg"] = torch.zeros_like(params[0])
-                elif how.startswith("step"):
-                    state["step"] = torch.tensor([0.0]) if "[" in how else torch.tensor(0.0)
-                else:
-                    state["exp_avg_sq"] = state["exp_avg_sq"].clone()
-            for p, g in zip(params, random_grads(base, step)):
-                p.grad = g.clone()
-            opt.step()
+    def assign(opt, params):
+        state = opt.state[params[0]]
+        if how.startswith("exp_avg ="):
+            state["exp_avg"] = torch.zeros_like(params[0])
+        elif how.startswith("step"):
+            state["step"] = torch.tensor([0.0]) if "[" in how else torch.tensor(0.0)
+        else:
+            state["exp_avg_sq"] = state["exp_avg_sq"].clone()
+
+    (ref, ref_params), (amp, amp_params) = _beside_torch(backend, device, steps=5, change_at=2, change=assign)
     assert amp.state[amp_params[0]]["step"].item() == ref.state[ref_params[0]]["step"].item()
     # (torch keeps an assigned [1]-shaped step as it is; ampfused's steps stay 0-d views of one flat buffer)
     keys = ("exp_avg", "exp_avg_sq") if "[" in how else STATE_KEYS
