@@ -261,6 +261,9 @@ class StateRoom:
         if not state:
             return
         step = state.get("step")
+        if step is None:
+            raise RuntimeError("opt.state[p] has no 'step' but other state: to start the parameter afresh, "
+                               "reset its whole state (del opt.state[p])")
         if isinstance(step, Tensor) and step.numel() != 1:
             raise RuntimeError(f"opt.state[p]['step'] has {step.numel()} elements: a step count is one number")
         allowed = self.keys(p, True) if p.dtype in KERNEL_DTYPES else MOMENTS

@@ -326,6 +326,8 @@ def test_a_state_tensor_assigned_in_another_shape_is_refused(backend):
                                match=r"opt.state\[p\]\['exp_avg_sq'\] has shape \(3,\) for a parameter of shape \(64,\)")
     _refused_after_a_warm_step(backend, assign(0.0), match=r"opt.state\[p\]\['exp_avg_sq'\] is a float, not a tensor",
                                errors=TypeError)
+    _refused_after_a_warm_step(backend, lambda opt, params: opt.state[params[0]].pop("step"),
+                               match=r"opt.state\[p\] has no 'step'")
 
 
 def _python_calls_of_a_warm_unscale(backend, n_tensors):
