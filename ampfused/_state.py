@@ -120,9 +120,14 @@ def scales_of(state: dict, amsgrad: bool) -> tuple | None:
     return state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales") if amsgrad else None
 
 
-# the state keys holding tensors: of the param's shape, but the int8 block scales (one per block)
-PARAM_SHAPED_KEYS = frozenset([*MOMENTS, *(m + "_codes" for m in MOMENTS), *(key for _, _, key, _ in MASTER_ENCODINGS.values())])
-TENSOR_KEYS = PARAM_SHAPED_KEYS | {m + "_scales" for m in MOMENTS}
+def is_tensor_key(key: str) -> bool:
+    """A state key whose value is a tensor: torch's moments and master, or a compact encoding's."""
+    return key in MOMENT_KEYS or _compact.is_compact_key(key)
+
+
+def state_shape(p: Tensor, key: str) -> tuple[int, ...]:
+    """The shape of ``p``'s state tensor under ``key``: ``p``'s, or one fp32 scale per int8 block."""
+    return (-(-p.numel() // _compact.BLOCK),) if key.endswith("_scales") else tuple(p.shape)
 
 
 def _same_memory(value, view: Tensor) -> bool:
@@ -137,7 +142,7 @@ def _same_memory(value, view: Tensor) -> bool:
 def _like(p: Tensor, key: str) -> Tensor:
     """A meta tensor with the shape and strides the flat view of ``key`` takes for ``p``."""
     if key.endswith("_scales"):
-        return torch.empty(-(-p.numel() // _compact.BLOCK), device="meta")
+        return torch.empty(state_shape(p, key), device="meta")
     return p
 
 
@@ -268,16 +273,16 @@ class StateRoom:
             raise RuntimeError(f"opt.state[p]['step'] has {step.numel()} elements: a step count is one number")
         allowed = self.keys(p, True) if p.dtype in KERNEL_DTYPES else MOMENTS
         for key, value in state.items():
-            if key not in TENSOR_KEYS:  # step, and keys of the user's own
+            if not is_tensor_key(key):  # step, and keys of the user's own
                 continue
             what = f"opt.state[p][{key!r}]"
             if not isinstance(value, Tensor):
                 raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
             if key.endswith("_scales"):  # (the local shard's blocks, a plain tensor for a DTensor param too)
-                shape = (-(-_dtensor.local(p).numel() // _compact.BLOCK),)
+                shape = state_shape(_dtensor.local(p), key)
             else:
                 _dtensor.check_state(p, value, what)
-                shape = p.shape
+                shape = state_shape(p, key)
             if value.shape != shape:
                 raise RuntimeError(
                     f"{what} has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: it takes "

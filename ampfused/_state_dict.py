@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from . import _compact, _dtensor
 from ._contract import KERNEL_DTYPES
-from ._state import MOMENT_KEYS
+from ._state import MOMENT_KEYS, is_tensor_key, state_shape
 
 # [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
 # must find values that describe this optimizer: always fused, capturable (no host sync in step()),
@@ -103,7 +103,7 @@ def _check_tensors(key, values: dict) -> None:
             if not isinstance(value, (torch.Tensor, int, float)):
                 raise ValueError(f"state 'step' of parameter {key} is a {type(value).__name__} ({value!r}); "
                                  "expected a tensor or a number")
-        elif (name in MOMENT_KEYS or _compact.is_compact_key(name)) and not isinstance(value, torch.Tensor):
+        elif is_tensor_key(name) and not isinstance(value, torch.Tensor):
             raise ValueError(f"state {name!r} of parameter {key} is a {type(value).__name__}, not a tensor: "
                              "the state dict is damaged or not an AdamW state dict")
 
@@ -127,7 +127,7 @@ def _check_compact_entry(key, p, values: dict, keys_of) -> None:
         if name == "step" or not isinstance(value, torch.Tensor):
             continue
         _dtensor.check_state(p, value, f"state {name!r} of parameter {key}")
-        shape = (-(-p.numel() // _compact.BLOCK),) if name.endswith("_scales") else tuple(p.shape)
+        shape = state_shape(p, name)
         if tuple(value.shape) != shape:
             raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, expected {shape}: "
                              "the state dict belongs to another model or optimizer")

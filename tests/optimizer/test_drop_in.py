@@ -139,11 +139,11 @@ def test_a_strided_grad_holds_the_unscaled_gradient_after_every_scaled_step(back
     torch's fused AdamW leaves it."""
     p = torch.nn.Parameter(torch.zeros(4, 6, device=device))
     opt = ampfused.FusedAmpAdamW([p], backend=backend)
-    scaler = ampfused.GradScaler(device.type, init_scale=1024.0)
+    scaler = ampfused.GradScaler(device.type, init_scale=1000.0)  # (not a power of two: the unscale rounds)
     for step in range(3):
         scaler.scale(torch.zeros((), device=device))
         grad = torch.arange(24.0, device=device).view(6, 4) + step
-        p.grad = (grad * 1024.0).t()
+        p.grad = (grad * 1000.0).t()
         scaler.step(opt)
         scaler.update()
         torch.testing.assert_close(p.grad, grad.t(), msg=f"step {step}")
