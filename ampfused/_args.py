@@ -47,9 +47,10 @@ def check_number(value, name: str, tensor_ok: bool = False) -> None:
     raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
 
 
-def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+def check_hyperparameters(lr, betas, eps, weight_decay, read_beta=Tensor.item) -> None:
     """torch.optim.AdamW's checks, for the defaults and every param group: torch's message first (its own
-    tests match it as a prefix), then the argument it names."""
+    tests match it as a prefix), then the argument it names. ``read_beta`` reads a tensor beta's value
+    (the step plan passes its cached reader, so a rebuilt group row does not sync per step)."""
     check_hyperparameter_types(lr, betas, eps, weight_decay)
     if isinstance(lr, Tensor):
         check_tensor_lr(lr)
@@ -66,11 +67,19 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         if isinstance(beta, Tensor):  # as torch: a 1-element tensor, read as a float at each step
             if beta.numel() != 1:
                 raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
-            beta = beta.item()
+            beta = read_beta(beta)
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta} (betas[{i}])")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_group_flags(amsgrad, maximize) -> None:
+    """``amsgrad``/``maximize`` of a group: a bool (or 0/1). torch reads them as truth values, so a
+    config string ``"False"`` would silently turn AMSGrad on; refuse anything that is not a yes/no."""
+    for value, name in ((amsgrad, "amsgrad"), (maximize, "maximize")):
+        if not (isinstance(value, numbers.Integral) and value in (0, 1)):
+            check_flag(value, name)
 
 
 def check_options(lr, betas, eps, weight_decay, *, max_grad_norm, skip_nonfinite, keep_scaled_grads, differentiable,
@@ -128,6 +137,7 @@ def check_param_group(param_group: dict, defaults: dict, existing: list, check_p
     _dtensor.check_params(existing + tensors)  # [distributed] DTensors: all or none, one mesh
     merged = {**defaults, **{k: v for k, v in param_group.items() if k != "params"}}
     check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    check_group_flags(merged["amsgrad"], merged["maximize"])
     return param_group
 
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _dtensor
-from ._args import check_grad, check_no_overlap
+from ._args import check_grad, check_group_flags, check_hyperparameters, check_no_overlap
 from ._batch import Batch, Hyper, row_lr
 from ._layout import is_dense
 from ._state import master_of, moment_key, scales_of, wide_indices
@@ -60,7 +60,8 @@ class StepPlan:
     ``p.data`` swap, a grad of another layout or on another param, a changed ``amsgrad``, an edited
     params list, a reset ``opt.state`` entry, a tensor assigned in one (``opt.state[p]["exp_avg"] =
     t``, which the state room then copies into its flat storage) -- rebuilds the plan through the
-    validating path. Hyperparameters are read per group at every step.
+    validating path. Hyperparameters are compared per group at every step, and a changed group's
+    row is checked and rebuilt (:class:`GroupRows`).
 
     The plan builds one :class:`~ampfused._batch.Batch` ([note: batch]) and a step patches its
     grads and group rows in (:meth:`batch_for_step`): the backends' memos and the reference
@@ -74,7 +75,7 @@ class StepPlan:
     params and the layouts of the ones it checked.
     """
 
-    def __init__(self, param_groups, work, state, scratch):
+    def __init__(self, param_groups, work, state, scratch, rows: GroupRows):
         self.scratch = scratch  # functional.Scratch: the optimizer's launch scratch, a memo for this plan's tables
         self.groups = [(g, g["params"], len(g["params"]), g["amsgrad"]) for g in param_groups]
         self.all_params = [p for g in param_groups for p in g["params"]]
@@ -100,14 +101,8 @@ class StepPlan:
         scales = [scales_of(s, g["amsgrad"]) for s, (_, _, g) in zip(states, work)]
         self.moment_scales = scales if any(x is not None for x in scales) else None
         self.wide = wide_indices(self.params)  # float64/complex: the reference passes' share
-        # [note: groups once] the param groups with work, in order, and each tensor's index among them
-        index: dict[int, int] = {}
-        self.stepping_groups = []
-        for _, _, g in work:
-            if id(g) not in index:
-                index[id(g)] = len(self.stepping_groups)
-                self.stepping_groups.append(g)
-        self.group_ids = [index[id(g)] for _, _, g in work]
+        self.rows = rows  # the stepping groups' rows, checked (see [note: group rows])
+        self.group_ids = rows.group_ids
         self.is_dtensor = bool(self.params) and _dtensor.is_dtensor(self.params[0])  # all or none (add_param_group)
         self.batch: Batch | None = None if self.is_dtensor else Batch(
             self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps, self.masters,
@@ -147,10 +142,10 @@ class StepPlan:
         self.grads = fresh
         return True
 
-    def batch_for_step(self):
-        """(this step's batch: the plan's, with the grads and group rows patched in; the stats reducer of
-        DTensor lists, else None). [distributed] DTensors step on their local shards, and the stats cover the mesh."""
-        groups = self.hypers()
+    def batch_for_step(self, groups: list[Hyper]):
+        """(this step's batch: the plan's, with the grads and the group rows (``self.rows.current()``,
+        read before any write) patched in; the stats reducer of DTensor lists, else None).
+        [distributed] DTensors step on their local shards, and the stats cover the mesh."""
         if not self.is_dtensor:
             batch = self.batch
             batch.grads, batch.groups = self.grads, groups
@@ -170,14 +165,66 @@ class StepPlan:
         if self.batch is not None:
             self.batch.drop_grads()
 
-    def hypers(self) -> list[Hyper]:
-        """The hyperparameters of every stepping group, read at every step (a scheduler may change them)."""
-        groups = []
-        for group in self.stepping_groups:  # the group rows: converted here, once per step
-            beta1, beta2 = (float(_as_float(b)) for b in group["betas"])
-            groups.append(Hyper(row_lr(group["lr"]), beta1, beta2, float(group["eps"]),
-                                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"])))
-        return groups
+
+class GroupRows:
+    """[note: group rows] The rows of the param groups that step, each checked when it is built.
+
+    Schedulers and trainers edit ``param_groups`` between steps, and a user may too
+    (``group["betas"] = (0.9, 1.5)``, ``group["lr"] = "3e-4"``): a group's values are checked with
+    the constructor's rules and messages, naming the group, whenever its row is rebuilt, and
+    :meth:`current` runs before the step writes anything. A row is rebuilt only when a value
+    of its group is another object than the one it was built from (a scheduler's new ``lr`` float
+    rebuilds one row); a warm step whose groups did not change compares a few identities per group
+    and converts nothing. Tensor betas are re-read whenever their version changes (torch reads them
+    as floats at every step), through a cache, so without an in-place change nothing syncs.
+    """
+
+    def __init__(self, param_groups, work):
+        # [note: groups once] the param groups with work, in order, and each tensor's index among them
+        index: dict[int, int] = {}
+        self.groups = []
+        for _, _, g in work:
+            if id(g) not in index:
+                index[id(g)] = len(self.groups)
+                self.groups.append(g)
+        self.group_ids = [index[id(g)] for _, _, g in work]
+        self.positions = [next(i for i, pg in enumerate(param_groups) if pg is g) for g in self.groups]  # for messages
+        self.values: list[tuple | None] = [None] * len(self.groups)
+        self.rows: list[Hyper | None] = [None] * len(self.groups)
+        self.current()  # every row checked now: a plan is built only over valid groups
+
+    def current(self) -> list[Hyper]:
+        """Every stepping group's row, rebuilt (and checked) where the group's values changed."""
+        for i, group in enumerate(self.groups):
+            values = _group_values(group)
+            old = self.values[i]
+            if old is None or len(old) != len(values) or not all(map(operator.is_, values, old)) or _has_tensor(group["betas"]):
+                self.rows[i] = _checked_row(values, self.positions[i])
+                self.values[i] = values
+        return self.rows
+
+
+def _group_values(group: dict) -> tuple:
+    """The values a group row is built from; a list of betas edited in place shows in its elements."""
+    betas = group["betas"]
+    values = (group["lr"], betas, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+    return values + tuple(betas) if isinstance(betas, (tuple, list)) else values
+
+
+def _has_tensor(betas) -> bool:
+    return isinstance(betas, (tuple, list)) and any(isinstance(b, Tensor) for b in betas)
+
+
+def _checked_row(values: tuple, position: int) -> Hyper:
+    """A group row, after the constructor's checks of its values (its message, naming the group)."""
+    lr, betas, eps, weight_decay, amsgrad, maximize = values[:6]
+    try:
+        check_hyperparameters(lr, betas, eps, weight_decay, read_beta=_as_float)
+        check_group_flags(amsgrad, maximize)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} in param_groups[{position}] (changed after the optimizer was built)") from None
+    beta1, beta2 = (float(_as_float(b)) for b in betas)
+    return Hyper(row_lr(lr), beta1, beta2, float(eps), float(weight_decay), bool(amsgrad), bool(maximize))
 
 
 _TENSOR_HYPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor beta -> (its _version, its value)

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from . import _args, _backends, _dtensor, _main_grad, _reducers, _state_dict, functional
 from ._args import LOW_PRECISION
-from ._plan import StepPlan, grads_to_step
+from ._plan import GroupRows, StepPlan, grads_to_step
 from ._state import StateRoom, uses_master
 from ._state_dict import IMPLEMENTATION_KEYS
 
@@ -233,8 +233,9 @@ class FusedAmpAdamW(Optimizer):
         """Check every param and grad, create lazy state, and cache the step's tensor lists."""
         self._main_grads.relayout_if_strides_changed()
         work = grads_to_step(self.param_groups, self._param_dtypes, self._device)
+        rows = GroupRows(self.param_groups, work)  # edited group values are refused before lazy state is made
         self._state_room.prepare(work)
-        self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan())
+        self._plan = StepPlan(self.param_groups, work, self.state, self._scratch.for_new_plan(), rows)
         return self._plan
 
     # fused kernels behind lazy flat state and pointer tables, which dynamo cannot
@@ -256,6 +257,7 @@ class FusedAmpAdamW(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         self._skipped = None
         plan = self._plan if self._plan is not None and self._plan.still_valid(self.param_groups, self.state) else self._make_plan()
+        group_rows = plan.rows.current()  # [note: group rows] edited values raise here, before any write
         if self._state_room.masters_pending:
             self._state_room.copy_pending_masters()
         if not plan.params:
@@ -263,7 +265,7 @@ class FusedAmpAdamW(Optimizer):
             if self._partition_reducer is not None and needs_stats:  # [distributed] an empty ZeRO partition still joins
                 self._partition_reducer.join(self._device)
             return loss
-        batch, reduce_stats = plan.batch_for_step()
+        batch, reduce_stats = plan.batch_for_step(group_rows)
         if not plan.is_dtensor:  # [distributed] a ZeRO partition's stats cover every partition
             reduce_stats = self._partition_reducer
         backend = self._get_backend()
