@@ -1,5 +1,6 @@
 """`python -m ampfused check` passes on every backend available here, and fails, naming the case, the
-tensor or state key and the first bad element, when a backend is broken (a fake one, in process)."""
+tensor or state key and the first bad element, when a backend is broken (a fake one, in process) --
+the reference too: its oracle is torch (and the executable spec), never a backend."""
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import ampfused
 from ampfused.__main__ import main as ampfused_main
 from ampfused import _backends, check, reference
 from ampfused._contract import SKIP
-from helpers import available_backends
+from helpers import DEVICE, available_backends
 
 SOURCE_ROOT = str(Path(ampfused.__file__).resolve().parents[1])  # the tree this test imports (editable or installed)
 ROW = re.compile(r"^(\w+)\s+(cpu|cuda)\s+(\S+)\s+(pass|FAIL)\s+(\S+)\s+([\d.]+)s$")
@@ -104,6 +105,59 @@ def test_a_broken_backend_fails_naming_the_case_and_the_element(monkeypatch, cap
     if how == "ignores_the_skip_flag":
         assert "across a skipped step" in lines[0]
     assert "failed" in out.splitlines()[-1]
+
+
+class OneElementOff:
+    """A real backend whose update pass writes one wrong element into the first param after doing its job
+    (off by more than a bf16 ulp, so a 16-bit param shows it too)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def adamw_update_(self, batch, *args, **kwargs):
+        self._real.adamw_update_(batch, *args, **kwargs)
+        with torch.no_grad():
+            batch.params[0].view(-1)[5] += 0.05
+
+
+def test_every_backend_broken_fails_every_case_it_runs(monkeypatch, capsys, backend):
+    """The reference included: no row holds a backend to itself, so a wrong result always shows."""
+    real, _ = _backends.probe(backend)
+    monkeypatch.setitem(_backends._probed, backend, (OneElementOff(real), ""))
+    assert check.main(["--backend", backend, "--device", DEVICE.type]) == 1
+    out = capsys.readouterr().out
+    cases = {c.name for c in check.CASES if check.applies(c, backend, DEVICE)}
+    assert {(c, r) for b, _, c, r in check_table(out) if b == backend} == {(c, "FAIL") for c in cases}, out
+    first = next(line for line in out.splitlines() if line.startswith(f"FAILED {backend}/fp32: "))
+    assert first.startswith(f"FAILED {backend}/fp32: step 0: param 0 at index (0, 5): got "), first
+    assert f"{len(cases)} of {len(cases)} failed" in out.splitlines()[-1]
+
+
+class NoPasses:
+    """A backend whose every pass raises: what the oracle must never call."""
+
+    NAME = "none"
+
+    def supports(self, device):
+        return None
+
+    def __getattr__(self, name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"the oracle called a backend's {name}")
+        return refuse
+
+
+def test_the_oracle_runs_no_backend(monkeypatch):
+    for name in _backends.BACKEND_NAMES:
+        monkeypatch.setitem(_backends._probed, name, (NoPasses(), ""))
+    monkeypatch.setattr(ampfused.scaler, "_scaler_passes", {})
+    for case in check.CASES:
+        if not case.graph:
+            snaps = check.oracle_trajectory(case, DEVICE)
+            assert len(snaps) == case.steps and snaps[-1][("param", 0)].dtype == case.params[0][1]
 
 
 def test_a_backend_asked_for_but_unavailable_fails(monkeypatch, capsys):
