@@ -4,11 +4,13 @@ validated before any write.
 :func:`validate` is pure: it reads a state dict against the optimizer's groups and raises before
 anything changes. :func:`apply` then writes it: group options, and state copied into fresh flat
 buffers (``_state``), fp32 whatever the param dtype (torch's base class would cast it to the param
-dtype); master weights missing from the dict are taken from the params at the next step.
+dtype); master weights missing from the dict, or not fp32 (``[note: stale masters]``), are taken from
+the params at the next step.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import defaultdict
 from itertools import chain
 from typing import NamedTuple
@@ -18,7 +20,7 @@ from torch.optim import Optimizer
 
 from . import _compact, _dtensor
 from ._contract import KERNEL_DTYPES
-from ._state import MOMENT_KEYS, is_tensor_key, state_shape
+from ._state import MOMENT_KEYS, is_tensor_key, master_of, state_shape
 
 # [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
 # must find values that describe this optimizer: always fused, capturable (no host sync in step()),
@@ -144,6 +146,7 @@ def apply(opt: Optimizer, checked: Checked) -> None:
     room = opt._state_room
     room.layout()
     room.masters_pending = []
+    stale = []  # saved ids whose master_param was not fp32: see [note: stale masters]
     for key, values in checked.saved_state.items():
         if not values:  # a param that never stepped (the check above)
             continue
@@ -164,14 +167,19 @@ def apply(opt: Optimizer, checked: Checked) -> None:
                                                   "signed" if name == "exp_avg" else "sqrt")
                 state[name + "_codes"].copy_(codes)
                 state[name + "_scales"].copy_(scales)
+        master = values.get("master_param")
+        keeps_master = master_of(state) is not None
+        if master is not None and master.dtype != torch.float32:  # [note: stale masters]
+            stale += [key] if keeps_master else []
+            master = None
         if "master_param" in state:
-            if "master_param" in values:
-                _dtensor.copy_state_(state["master_param"], values["master_param"])
+            if master is not None:
+                _dtensor.copy_state_(state["master_param"], master)
             else:
                 room.masters_pending.append(p)  # see [note: masters of a torch checkpoint] in _state
-        elif "master_param" in values and ("master_low16" in state or "master_residual8" in state):
+        elif master is not None and keeps_master:
             # a split master from an fp32 one: the param becomes RNE(master), the stored bits its remainder
-            master = _dtensor.local(values["master_param"]).to(p.device, torch.float32)
+            master = _dtensor.local(master).to(p.device, torch.float32)
             if "master_low16" in state:
                 param, bits = _compact.split16(master)
                 _dtensor.copy_local_(state["master_low16"], bits)
@@ -180,3 +188,21 @@ def apply(opt: Optimizer, checked: Checked) -> None:
                 _dtensor.copy_local_(state["master_residual8"], bits)
             _dtensor.copy_local_(p, param)
         # (no master in the dict: a split master's stored bits stay zero, the master is the param exactly)
+    if stale:
+        warnings.warn(stale_master_message(stale, "load_state_dict"), UserWarning, stacklevel=3)
+
+
+# [note: stale masters] A master is fp32 by definition (DESIGN §2.5). A master_param of another dtype
+# was carried along by an optimizer that does not keep masters: torch.optim.AdamW's load_state_dict
+# casts every floating-point state entry to the param's dtype and keeps keys it does not know, so a
+# bf16 model trained on with stock AdamW hands back the master of the day it was loaded, never
+# updated since. Taking it would throw those steps away; the param is the current weight, so the
+# master comes from it (at the next step, whichever of model and optimizer was loaded first).
+def stale_master_message(where, call: str) -> str:
+    """The one warning for masters that are not fp32 (``where``: the state-dict ids or FQNs concerned)."""
+    where = list(where)
+    shown = ", ".join(map(str, where[:4])) + (", ..." if len(where) > 4 else "")
+    return (f"{call}: the master_param of {len(where)} parameter(s) ({shown}) is not float32, so it is not a master "
+            "this optimizer wrote: another optimizer carried it along (torch.optim.AdamW casts state it does not know "
+            "to the param's dtype and never updates it). Taking it would undo the steps taken since; the masters "
+            "are taken from the parameters instead")
