@@ -124,8 +124,11 @@ def memory_table(rows: list[dict], main: str | None) -> list[str]:
     memory = [r for r in rows if "memory" in r["sweeps"].split("+")]
     if not memory or main is None:
         return []
-    lines = ["", f"Memory modes (DESIGN §9) on bf16 params, {main}: ms per step, median / bytes kept per param "
-                 "between steps (params, master, moments, fp32 gradients; measured from the tensors):", "",
+    lines = ["", f"Memory modes ([DESIGN §9](docs/design.md#9-compact-state-memory-modes)) on bf16 params, {main}: "
+                 "ms per step, median / bytes kept per param between steps (params, master, moments, fp32 gradients; "
+                 "measured from the tensors of the model in the case column: its small and 1-d tensors keep fp32 "
+                 "moments and a block cut short costs a whole scale, so the int8 rows keep a little more than the "
+                 "two 1024×1024 layers of the Memory table):", "",
              "| case | provider | ms/step | speed × fp32 masters (their ms ÷ this row's; above 1 is faster) | kept B/param |",
              "|---|---|---:|---:|---:|"]
     by_case: dict[str, dict[str, dict]] = {}

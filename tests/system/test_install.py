@@ -123,3 +123,48 @@ def test_checkout_on_the_path_imports_its_own_kernels(checkout, tmp_path):
     result = _probe("", cwd=tmp_path, pythonpath=str(checkout))
     assert Path(result["ampfused"]) == checkout / "ampfused" / "__init__.py"
     assert Path(result["kernels"]) == checkout / "kernels" / "__init__.py"
+
+
+def readme_editable_install() -> list[str]:
+    """The arguments after `pip install` of README's editable install command (its config settings too)."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        for command in line.split("&&"):
+            words = command.split()
+            if words[:2] == ["pip", "install"] and "-e" in words:
+                return words[2:]
+    raise AssertionError("README.md has no `pip install ... -e .` command")
+
+
+def test_readme_editable_install_serves_the_folder_that_holds_a_checkout_named_ampfused(checkout, tmp_path):
+    """Python run from the folder that contains the checkout puts that folder first on sys.path, where the
+    checkout (no __init__.py) would be a namespace package `ampfused` ahead of a finder-based editable
+    install; README's install must make `python -m ampfused info` and `import ampfused` work there too."""
+    parent = tmp_path / "work"
+    clone = parent / "ampfused"  # what `git clone` names it
+    shutil.copytree(checkout, clone)
+    venv = tmp_path / "venv"
+    try:  # a fresh environment, without pip of its own (this one's pip installs into it)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot make a virtual environment here: {exc}")
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    # torch, setuptools and pip come from this environment as a plain path entry: its own .pth files
+    # (the editable finder of the install under test here) are not run there
+    site = Path(importlib.util.find_spec("torch").origin).parents[1]
+    (Path(purelib) / "this-env.pth").write_text(f"{site}\n")
+    args = [str(clone) if a == "." else a for a in readme_editable_install()]
+    _pip("--python", python, "install", *args, cwd=parent)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    info = subprocess.run([python, "-m", "ampfused", "info"], cwd=parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert info.stdout.startswith("ampfused 0.1.0 ") and "reference  available" in info.stdout, info.stdout
+    probe = subprocess.run([python, "-c", "import ampfused, ampfused.kernels, importlib.util as u; "
+                            "print(ampfused.FusedAmpAdamW.__module__, ampfused.kernels.__file__, u.find_spec('kernels'))"],
+                           cwd=parent, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    module, kernels, top_level_kernels = probe.stdout.split()
+    assert module == "ampfused.optim" and Path(kernels).resolve() == clone / "kernels" / "__init__.py"
+    assert top_level_kernels == "None"  # the install adds no other top-level package
