@@ -20,17 +20,25 @@ COMMANDS = """commands:
 def info() -> int:
     import torch
 
-    from . import __version__, _backends
+    from . import __version__, _backends, _gpu_advice
 
+    no_gpu = not _gpu_advice.machine_has_gpu()
     print(f"ampfused {__version__}  torch {torch.__version__}  python {platform.python_version()}")
-    print(f"cuda available: {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""))
+    print(f"cuda available: {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available()
+                                                            else " (this machine has no GPU)" if no_gpu else ""))
     for name, available, reason in _backends.report():
-        print(f"  {name:<10} {'available' if available else 'unavailable'}{': ' + reason if reason else ''}")
+        status = "available" if available else "unavailable"
+        if no_gpu and name in _gpu_advice.GPU_BACKENDS:  # nothing is broken: say what the backend needs
+            status, reason = ("available on CPU tensors", _gpu_advice.INTERPRETER) if available else \
+                ("not on this machine", _gpu_advice.no_gpu_reason(name))
+        print(f"  {name:<10} {status}{': ' + reason if reason else ''}")
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         with warnings.catch_warnings():  # the fallback warning would repeat what the line says
             warnings.simplefilter("ignore")
             module, why = _backends.resolve(None, torch.device(device))
         print(f"auto backend for {device}: {module.NAME} ({why.removeprefix(module.NAME + ': ')})")
+    if no_gpu:
+        print(_gpu_advice.no_gpu_note())
     return 0
 
 

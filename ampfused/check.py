@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import _backends, _compact, check_oracle
+from . import _backends, _compact, _gpu_advice, check_oracle
 from .optim import FusedAmpAdamW
 from .scaler import GradScaler
 
@@ -423,12 +423,17 @@ def run_check(names: list[str] | None = None, device: str | None = None, out=Non
                 failures += [f"FAILED {name}/{case.name}: {line}" for line in bad[:5]]
                 print(f"{name:<10} {dev.type:<6} {case.name:<30} {'pass' if not bad else 'FAIL':<6} {worst:>8.3g} "
                       f"{seconds:>6.2f}s", file=out, flush=True)
+    no_gpu = not _gpu_advice.machine_has_gpu()
     for name, why in missing:
+        if no_gpu and name in _gpu_advice.GPU_BACKENDS:  # nothing is broken: say what the backend needs
+            why = _gpu_advice.no_gpu_reason(name)
         line = f"{name}: not checked: {why}"
         if names:  # asked for by name: its absence is a failure
             failures.append(f"FAILED {line}")
         else:
             print(line, file=out)
+    if no_gpu and {name for name, _ in missing} & set(_gpu_advice.GPU_BACKENDS):
+        print(_gpu_advice.no_gpu_note(), file=out)
     for line in failures:
         print(line, file=out)
     total = time.perf_counter() - start

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .. import _gpu_advice
 from . import cli, configs, measure, providers, report
 from .environment import Load, environment, pick_threads
 
@@ -61,15 +62,17 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     from ampfused import _backends
 
     names = list(requested) if requested else list(_backends.BACKEND_NAMES)
+    no_gpu = device.type == "cpu" and not _gpu_advice.machine_has_gpu()
     chosen, skipped = [], {}
     for name in names:
         if device.type == "cpu" and name == "triton" and not (interpreter or requested):
-            skipped[name] = "Triton interpreter on CPU is too slow to benchmark (--triton-interpreter to run it)"
+            skipped[name] = ((_gpu_advice.no_gpu_reason(name) if no_gpu else _gpu_advice.INTERPRETER)
+                             + " (--triton-interpreter runs it anyway)")
             continue
         try:
             _backends.resolve(name, device)
         except (RuntimeError, ValueError) as exc:
-            skipped[name] = str(exc)
+            skipped[name] = _gpu_advice.no_gpu_reason(name) if no_gpu and name in _gpu_advice.GPU_BACKENDS else str(exc)
             continue
         chosen.append(name)
     return chosen, skipped
@@ -288,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: {untrusted}")
     print(f"ampfused backends: {', '.join(backends) or 'none'}" +
           "".join(f"\n  not benchmarked: {k}: {v}" for k, v in skipped.items()))
+    if device.type == "cpu" and set(skipped) & set(_gpu_advice.GPU_BACKENDS) and not _gpu_advice.machine_has_gpu():
+        print(_gpu_advice.no_gpu_note())
     if "host" in args.sweeps and device.type == "cpu" and "triton" in backends:
         print(f"host sweep, ampfused-triton: {STUB_NOTE}")
 

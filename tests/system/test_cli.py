@@ -118,12 +118,13 @@ def test_bad_argument_from_a_shell_has_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("cuda_version", [None, "12.8"])
 def test_info_advice_fits_the_torch_build(capsys, monkeypatch, cuda_version):
-    """A CPU-only torch is told to get a CUDA build of torch; a CUDA torch with a CPU-only ampfused._C
-    is told how to rebuild ampfused."""
-    from ampfused import _backends
+    """On a GPU machine torch cannot use, a CPU-only torch is told to get a CUDA build of torch; a CUDA
+    torch with a CPU-only ampfused._C is told how to rebuild ampfused."""
+    from ampfused import _backends, _gpu_advice
 
     if torch.cuda.is_available():
         pytest.skip("checks the advice on a machine without CUDA")
+    monkeypatch.setattr(_gpu_advice, "machine_has_gpu", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", cuda_version)
     monkeypatch.setattr(_backends, "_probed", {})
     assert main(["info"]) == 0
@@ -134,3 +135,90 @@ def test_info_advice_fits_the_torch_build(capsys, monkeypatch, cuda_version):
     elif "ampfused._C" in cuda_line:  # (a build without the extension says that instead)
         assert "AMPFUSED_BUILD_CUDA=1" in cuda_line, out
     assert "auto backend for cpu: " in out
+
+
+# ------------------------------------------------------------------ a machine without a GPU
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This process on a machine with no GPU at all (whatever the test machine has)."""
+    from ampfused import _backends, _gpu_advice
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: the CUDA backends would really serve")
+    monkeypatch.setattr(_gpu_advice, "machine_has_gpu", lambda: False)
+    monkeypatch.setattr(_backends, "_probed", {})
+    return _gpu_advice
+
+
+def assert_plain_no_gpu_advice(text: str, gpu_advice):
+    """Says the GPU backends need a GPU, gives the install command for one, and calls nothing broken."""
+    assert "this machine has none" in text and gpu_advice.no_gpu_note() in text, text
+    assert "pip install torch==2.13.0" in text and "pip install --no-build-isolation -e ." in text
+    for wrong in ("reinstall", "broken", "install one", "not a CUDA build"):
+        assert wrong not in text, (wrong, text)
+
+
+def readme_install_args():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if "pip install --no-build-isolation -e ." in line)
+    return line.split("pip install --no-build-isolation -e .", 1)[1].strip()
+
+
+def test_the_gpu_install_command_is_readmes(no_gpu):
+    assert f"pip install --no-build-isolation -e . {readme_install_args()}`" in no_gpu.GPU_INSTALL
+
+
+@pytest.mark.parametrize("interpreter", [False, True], ids=["plain", "TRITON_INTERPRET"])
+def test_info_without_a_gpu_says_what_the_gpu_backends_need(capsys, monkeypatch, no_gpu, interpreter):
+    from ampfused import _backends
+
+    if not interpreter:  # the Triton backend as it probes without the interpreter on a CPU machine
+        real = _backends.probe("triton")[0]
+        if real is not None:
+            monkeypatch.setattr(real, "supports", lambda device: "needs TRITON_INTERPRET=1 on CPU tensors")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "needs an NVIDIA GPU, and this machine has none" in lines["cuda"]
+    triton = lines["triton"]
+    assert "TRITON_INTERPRET=1" in triton and "for testing only: far too slow to benchmark" in triton, triton
+    if interpreter and _backends.probe("triton")[0] is not None:
+        assert "available on CPU tensors" in triton
+    else:
+        assert "needs a GPU, and this machine has none" in triton
+    assert "cuda available: False (this machine has no GPU)" in out
+    assert_plain_no_gpu_advice(out, no_gpu)
+
+
+def test_check_without_a_gpu_says_what_the_gpu_backends_need(capsys, monkeypatch, no_gpu):
+    from ampfused import _backends, check
+
+    monkeypatch.setattr(check, "CASES", check.CASES[:1])  # one quick case: the lines about backends are checked
+    monkeypatch.setitem(_backends._probed, "triton", (None, "triton is not installed"))
+    assert check.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda: not checked: needs an NVIDIA GPU, and this machine has none" in out
+    assert "triton: not checked: needs a GPU, and this machine has none; TRITON_INTERPRET=1" in out
+    assert_plain_no_gpu_advice(out, no_gpu)
+
+
+def test_bench_without_a_gpu_says_what_the_gpu_backends_need(no_gpu):
+    from ampfused.bench import bench
+
+    chosen, skipped = bench.ampfused_backends(torch.device("cpu"), None, interpreter=False)
+    assert "cuda" not in chosen and "triton" not in chosen
+    assert skipped["cuda"] == "needs an NVIDIA GPU, and this machine has none"
+    assert skipped["triton"].startswith("needs a GPU, and this machine has none; TRITON_INTERPRET=1 ")
+    assert "far too slow to benchmark" in skipped["triton"]
+
+
+def test_bench_on_a_gpu_machine_keeps_the_probes_reasons(monkeypatch):
+    from ampfused import _gpu_advice
+    from ampfused.bench import bench
+
+    monkeypatch.setattr(_gpu_advice, "machine_has_gpu", lambda: True)
+    _, skipped = bench.ampfused_backends(torch.device("cpu"), None, interpreter=False)
+    assert skipped["triton"] == _gpu_advice.INTERPRETER + " (--triton-interpreter runs it anyway)"
+    assert "this machine has none" not in skipped.get("cuda", "")
