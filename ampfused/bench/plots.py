@@ -43,6 +43,11 @@ def _finish(fig, path, title, hardware, key=None):
     plt.close(fig)
 
 
+def _legend_beside(ax):
+    """The legend right of the axes, where it covers no bar (inside, "best" still lands on some)."""
+    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
 def _bars(ax, groups, names, value, err, dagger):
     """Grouped bars on a log axis: value(group, name) -> float or None; err -> (lo, hi) absolute; dagger -> bool."""
     width = 0.8 / max(len(names), 1)
@@ -76,7 +81,8 @@ def plot_configs(rows, path) -> bool:
     groups = list(dict.fromkeys(r["config"] for r in subset))
     names = _providers(subset)
     others = [n for n in names if n != "torch-fused"]
-    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(groups)), 8.5))  # stacked: one x axis of names
+    # stacked: one x axis of names; 2.6 inches more on the right for the legends
+    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(groups)) + 2.6, 8.5))
 
     def speedup(g, n):
         r, f = cell.get((g, n)), cell.get((g, "torch-fused"))
@@ -93,12 +99,12 @@ def plot_configs(rows, path) -> bool:
     left.axhline(1.0, color="black", linewidth=1)
     left.set_ylabel("speedup over torch AdamW(fused=True)\n(log scale; > 1 = faster)")
     left.set_title("speedup (error bars: p20–p80 of both timings)", fontsize=9)
-    left.legend(fontsize=7.5)
+    _legend_beside(left)
     _bars(right, groups, names, lambda g, n: cell[(g, n)]["median_ms"] if (g, n) in cell else None,
           lambda g, n: (cell[(g, n)]["p20_ms"], cell[(g, n)]["p80_ms"]), unstable)
     right.set_ylabel("ms per step (log scale)")
     right.set_title("absolute time (median, p20–p80)", fontsize=9)
-    right.legend(fontsize=7.5)
+    _legend_beside(right)
     shapes = subset[0]["case"].split(" on ", 1)[-1]
     _finish(fig, path, f"Optimizer step, every configuration, {shapes}", subset[0]["hardware"], KEY + " · † unstable timing")
     return True
