@@ -21,7 +21,8 @@ import re
 import sys
 
 TEXT_COLUMNS = {"date", "device", "hardware", "torch", "triton", "ampfused", "python", "plan", "sweeps", "case",
-                "config", "param_dtype", "family", "provider", "status", "detail", "timer", "unstable", "loadavg"}
+                "config", "param_dtype", "family", "provider", "status", "detail", "timer", "unstable", "loadavg",
+                "roofline_from"}
 
 
 def read_bench(folder: str) -> tuple[list[dict], dict]:

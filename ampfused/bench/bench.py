@@ -18,7 +18,7 @@ import torch
 
 from .. import _gpu_advice
 from . import cli, configs, measure, providers, report
-from .environment import Load, environment, pick_threads
+from .environment import Load, LoadWindows, environment, overlapping_load, pick_threads
 
 # per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
 # CPU: at most 0.3 s while noisy, as on a loaded machine most timings stay noisy to the end anyway.
@@ -166,14 +166,19 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
             continue
         live[name] = provider
     fns = {name: p.step for name, p in live.items()}
-    copies = {} if case.host else {rows[n]["bytes_per_step"]: None for n in live}
-    for nbytes in copies:
-        copies[nbytes] = measure.DeviceCopy(nbytes, device)
-        fns[f"copy {nbytes}"] = copies[nbytes].fn
-    load = Load().start()
+    # the roofline stream of a row touches as many bytes as the row's provider keeps (its working
+    # set), so that the last-level cache holds the same share of both (benchmarks/README.md §1)
+    stream_of = {} if case.host else {n: measure.stream_key(live[n].state_bytes()) for n in live}
+    copies = {key: measure.DeviceCopy.over_working_set(key, device) for key in dict.fromkeys(stream_of.values())}
+    for key, copy in copies.items():
+        fns[f"copy {key:g}"] = copy.fn
+    load = LoadWindows().start()
     with host_only(stub and "ampfused-triton" in live):
-        timings = measure.interleaved(fns, device, budget, host=case.host)
-    other = load.stop()
+        timings = measure.interleaved(fns, device, budget, host=case.host, on_round=load.tick)
+    other, other_peak = load.stop()
+    # a timing that load from other processes overlapped is marked in its own row (a CUDA
+    # device timing is not the CPU's: only CPU and host timings are)
+    overlap = overlapping_load(other, other_peak, args.threads) if device.type == "cpu" or case.host else ""
     for name, provider in live.items():
         row, timing = rows[name], timings[name]
         if timing.error:
@@ -183,12 +188,17 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
         else:
             row.update(status="ok", median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms,
                        samples=timing.samples, unstable=timing.unstable, timer="host" if case.host else "device",
-                       other_cores=other)
+                       other_cores=other, other_cores_peak=other_peak)
+            if overlap:
+                row["unstable"] = "; ".join(filter(None, (overlap, row["unstable"])))
             if stub and name == "ampfused-triton":
                 row["detail"] = STUB_NOTE
-            copy = timings.get(f"copy {row['bytes_per_step']}")
+            key = stream_of.get(name)
+            copy = timings.get(f"copy {key:g}") if key is not None else None
             if copy is not None and not copy.error:
-                row["roofline_gbps"] = copies[row["bytes_per_step"]].gbps(copy)
+                row["roofline_gbps"] = copies[key].gbps(copy)
+                row["working_set_mb"] = copies[key].working_set / 2**20
+                row["roofline_from"] = f"a += b over {row['working_set_mb']:.0f} MiB"
                 if copy.unstable and not row["unstable"]:
                     row["unstable"] = f"roofline stream: {copy.unstable}"
         provider.close()

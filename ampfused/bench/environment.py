@@ -123,6 +123,55 @@ class Load:
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
 
 
+class LoadWindows:
+    """:class:`Load` over a timed block, also in windows of at least ``window_s`` (``tick()`` between
+    timed calls closes one when it is long enough): the average says how loaded the block was, the
+    peak window catches a burst from another process that the average dilutes. Windows are not
+    shorter because /proc/stat counts in jiffies (10 ms): a 0.1 s window of 2 cores would read
+    busy cores to ±0.1."""
+
+    def __init__(self, window_s: float = 0.5, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self.total, self.windows = Load(), []
+        self._window_begin, self._window_start = None, 0.0
+
+    def start(self) -> "LoadWindows":
+        self.total.start()
+        self._window_begin, self._window_start = _sample(), self.clock()
+        return self
+
+    def tick(self) -> None:
+        if self.clock() - self._window_start >= self.window_s:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        end = _sample()
+        other = Load.other_cores(self._window_begin, end)
+        if other == other:  # not NaN
+            self.windows.append(other)
+        self._window_begin, self._window_start = end, self.clock()
+
+    def stop(self) -> tuple[float, float]:
+        """(average other cores over the block, the busiest window's; NaN without /proc)."""
+        if self.clock() - self._window_start >= self.window_s / 2 or not self.windows:
+            self._close_window()
+        average = self.total.stop()
+        return average, max(self.windows, default=average)
+
+
+def overlapping_load(average: float, peak: float, threads: int, margin: float = 0.25) -> str:
+    """Why a timing overlapped load from other processes, or "": other processes kept busy more than
+    the cores ``threads`` leave free (plus ``margin``, the noise of an idle machine), on average or
+    in the busiest window."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    free = max(cores - threads, 0)
+    worst = max(average, peak)
+    if worst != worst or worst <= free + margin:  # NaN: not measurable, not marked
+        return ""
+    return (f"other processes kept {average:.2f} cores busy on average, {peak:.2f} at peak, "
+            f"while {threads} thread(s) ran on {cores} cores")
+
+
 def _sample():
     """(machine busy jiffies, machine total jiffies, this process's jiffies) or None."""
     try:

@@ -146,7 +146,16 @@ COPY_CAP_BYTES = 4 << 30
 class DeviceCopy:
     """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a),
     in place as AdamW updates (why not ``copy_``: benchmarks/README.md §1, "Metrics"). Capped at
-    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory."""
+    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory.
+
+    :meth:`over_working_set` sizes it by the memory it touches instead (a and b together): a
+    stream over fewer bytes than a step's working set keeps more of them in the last-level cache
+    and flatters the step, over more bytes it shortchanges it.
+    """
+
+    @classmethod
+    def over_working_set(cls, working_set_bytes: float, device: torch.device) -> "DeviceCopy":
+        return cls(1.5 * working_set_bytes, device)  # a and b of W/2 each: a sweep moves 3 x W/2
 
     def __init__(self, nbytes: float, device: torch.device):
         moved = int(min(nbytes, COPY_CAP_BYTES))
@@ -158,8 +167,19 @@ class DeviceCopy:
     def fn(self) -> None:
         self.a.add_(self.b)
 
+    @property
+    def working_set(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
     def gbps(self, timing: Timing) -> float:
         return self.moved / (timing.median_ms * 1e-3) / 1e9
+
+
+def stream_key(working_set_bytes: float) -> float:
+    """Working sets within a few percent share one roofline stream (two significant digits)."""
+    if working_set_bytes <= 0:
+        return 0.0
+    return float(f"{working_set_bytes:.2g}")
 
 
 class PeakMemory:

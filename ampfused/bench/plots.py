@@ -127,7 +127,7 @@ def plot_size(rows, path) -> bool:
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", markersize=4, capsize=2, label=name, color=COLORS.get(name))
         copy = sorted({(r["numel"], r["roofline_gbps"]) for r in part if r["provider"] == "torch-fused" and r["roofline_gbps"] != ""})
         if copy:
-            ax.plot(*zip(*copy), linestyle="--", color="black", label="device stream a += b, torch-fused's bytes (roofline)")
+            ax.plot(*zip(*copy), linestyle="--", color="black", label="roofline of torch-fused's row (a += b over its working set)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax.yaxis)

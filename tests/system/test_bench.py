@@ -69,6 +69,9 @@ def test_bench_quick_writes_outputs_and_passes_the_gate(tmp_path):
     assert device_rows and host_rows
     for r in device_rows:
         assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and float(r["roofline_gbps"]) > 0
+        assert float(r["roofline_frac"]) <= 1.0 and r["roofline_from"], r  # issue 36 item 6
+        # the stream touches the row's own working set (its kept state), to two significant digits
+        assert float(r["working_set_mb"]) == pytest.approx(float(r["state_mb"]), rel=0.06)
     for r in rows:
         assert r["torch"] and r["hardware"] and r["date"]
         assert int(r["samples"]) >= 5  # the quick plan's minimum, unless marked unstable for it
@@ -217,6 +220,114 @@ def test_unstable_rows_are_marked_in_table_csv_and_summary(tmp_path):
     text = summary.bench_summary(rows, {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a"})
     assert "2 of 3 timings unstable (marked †)" in text and "2.00 †" in text
     assert "unstable" not in report.markdown_table(_rows(""))
+
+
+def _stream_rows(rows_spec):
+    """Device rows of one case: (provider, GB/s it reached, working set MiB, its a += b stream's GB/s)."""
+    case = configs.Case(("configs",), configs.shape_set("few-large", 50_000_000), configs.FP32_CLIP)
+    env = {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a", "plan": "cpu"}
+    rows = []
+    for name, gbps, working_set_mb, stream_gbps in rows_spec:
+        row = report.base_row(env, case, name)
+        ms = row["bytes_per_step"] / (gbps * 1e9) * 1e3
+        row.update(status="ok", timer="device", median_ms=ms, p20_ms=ms, p80_ms=ms, samples=20, unstable="",
+                   roofline_gbps=stream_gbps, working_set_mb=working_set_mb, other_cores=0.0)
+        rows.append(row)
+    report.add_derived(rows)
+    return {r["provider"]: r for r in rows}
+
+
+def test_no_row_claims_more_than_the_roofline():
+    """issue 36 item 6: a provider that streams faster than torch's a += b on a working set at least as
+    large sets the roofline (the hardware demonstrably does that much); a faster one on a smaller
+    working set (more of it cached) does not lift the roofline of a larger one."""
+    by = _stream_rows([("torch-fused", 20.0, 763, 25.0), ("ampfused-cpu", 35.0, 763, 25.0),
+                       ("ampfused-cpu@split8+int8", 45.0, 300, 40.0)])
+    assert all(r["roofline_frac"] <= 1.0 for r in by.values())
+    assert by["ampfused-cpu"]["roofline_frac"] == pytest.approx(1.0)
+    assert by["torch-fused"]["roofline_gbps"] == pytest.approx(35.0)
+    assert by["torch-fused"]["roofline_frac"] == pytest.approx(20 / 35)
+    assert by["torch-fused"]["roofline_from"].startswith("ampfused-cpu's 35.0 GB/s on 763 MiB")
+    # the compact row streamed faster than its own stream on 300 MiB: its roofline is itself, not 35 GB/s
+    compact = by["ampfused-cpu@split8+int8"]
+    assert compact["roofline_gbps"] == pytest.approx(45.0) and compact["roofline_frac"] == pytest.approx(1.0)
+    assert "(the a += b stream over 300 MiB: 40.0)" in compact["roofline_from"]
+    slower = _stream_rows([("torch-fused", 20.0, 763, 25.0), ("ampfused-cpu", 24.0, 763, 25.0)])
+    assert slower["ampfused-cpu"]["roofline_gbps"] == 25.0 and slower["ampfused-cpu"]["roofline_frac"] == pytest.approx(0.96)
+
+
+def test_the_roofline_stream_touches_the_working_set_it_is_given():
+    copy = measure.DeviceCopy.over_working_set(3 << 20, torch.device("cpu"))
+    assert copy.working_set == pytest.approx(3 << 20, rel=1e-3)  # a and b together
+    assert copy.moved == pytest.approx(1.5 * copy.working_set)  # one sweep reads a and b and writes a
+    assert measure.stream_key(800_123_456) == measure.stream_key(801_000_000) == 8.0e8
+
+
+@pytest.mark.parametrize("average,peak,threads,marked", [
+    (0.05, 0.10, 2, False),  # an idle machine's own noise
+    (0.30, 1.00, 2, True),   # a burst from another process in one window
+    (1.00, 1.10, 1, False),  # on 2 cores, one thread beside one busy core: what the thread choice allowed
+    (1.60, 1.90, 1, True),   # more than the one core the thread left free
+])
+def test_load_from_other_processes_beyond_the_free_cores_marks_a_timing(monkeypatch, average, peak, threads, marked):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    why = environment.overlapping_load(average, peak, threads)
+    assert bool(why) == marked
+    if marked:
+        assert f"{average:.2f} cores busy on average, {peak:.2f} at peak" in why
+
+
+def test_load_windows_catch_a_burst_the_average_dilutes(monkeypatch):
+    """Three 0.5 s windows, another process busy on one core in the second only: the average says a
+    third of a core, the peak window one core."""
+    ticks = iter([0.0, 0.0, 0.6, 0.6, 1.2, 1.2, 1.8, 1.8, 1.8])  # start, then one window per tick
+    # (machine busy jiffies, total jiffies over 2 cores, our own jiffies): 2 x 50 jiffies of wall per window
+    samples = iter([(0, 0, 0), (0, 0, 0), (10, 100, 10), (70, 200, 20), (80, 300, 30), (80, 300, 30)])
+    monkeypatch.setattr(environment, "_sample", lambda: next(samples))
+    windows = environment.LoadWindows(window_s=0.5, clock=lambda: next(ticks)).start()
+    for _ in range(3):
+        windows.tick()
+    average, peak = windows.stop()
+    assert windows.windows == pytest.approx([0.0, 1.0, 0.0])
+    assert average == pytest.approx(1 / 3) and peak == pytest.approx(1.0)
+
+
+def test_a_case_timed_under_load_marks_its_rows_unstable(monkeypatch):
+    """The load measured during a case lands in that case's own rows (not only in the run's footer)."""
+    from ampfused.bench import bench
+
+    class Loaded:  # other processes kept 1.5 cores of 2 busy while the case was timed
+        def start(self):
+            return self
+
+        def tick(self):
+            pass
+
+        def stop(self):
+            return 1.5, 1.9
+
+    monkeypatch.setattr(bench, "LoadWindows", Loaded)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    case = configs.Case(("size",), configs.shape_set("few-large", 4096), configs.FP32_CLIP)
+    args = bench.build_parser().parse_args(["--quick"])
+    args.threads = 1
+    env = {"date": "d", "hardware": "h", "torch": "t", "triton": "x", "ampfused": "a", "plan": "quick"}
+
+    class Quiet:
+        def describe(self, text):
+            pass
+
+        def update(self, n=1):
+            pass
+
+    rows = bench.run_case(case, ["torch-fused", "ampfused-reference"], torch.device("cpu"), args,
+                          bench.BUDGETS["quick"], env, Quiet())
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    for r in rows:
+        assert r["unstable"].startswith("other processes kept 1.50 cores busy on average, 1.90 at peak"), r["unstable"]
+        assert r["other_cores"] == 1.5 and r["other_cores_peak"] == 1.9
+        assert r["roofline_frac"] <= 1.0 and r["roofline_from"]
+    assert "1.50 (1.90)" in report.markdown_table(rows)
 
 
 def test_strict_fails_the_run_on_unstable_timings(tmp_path):
