@@ -124,7 +124,8 @@ def _check_compact_entry(key, p, values: dict, keys_of) -> None:
             f"state of parameter {key} is compact state of another mode than this optimizer keeps for a {p.dtype} "
             f"parameter of shape {tuple(p.shape)}: saved {_describe(saved)}; expected {_describe(wanted) or 'no compact state'}. "
             "Load it into an optimizer with the master_weights/state_dtype it was saved with, or expand it with "
-            "ampfused.checkpoint.to_torch_state_dict(state_dict, params) and load that: every mode takes the fp32 form")
+            "ampfused.checkpoint.to_torch_state_dict(state_dict, params) and load that: every mode takes the fp32 form "
+            "(a torch.distributed.checkpoint of another mode: load it with ampfused.checkpoint.dcp_load)")
     for name, value in values.items():
         if name == "step" or not isinstance(value, torch.Tensor):
             continue
@@ -165,13 +166,15 @@ def apply(opt: Optimizer, checked: Checked) -> None:
             elif name in values and name + "_codes" in state:
                 codes, scales = _compact.quantize(_dtensor.local(values[name]).to(p.device, torch.float32),
                                                   "signed" if name == "exp_avg" else "sqrt")
-                state[name + "_codes"].copy_(codes)
-                state[name + "_scales"].copy_(scales)
+                _dtensor.copy_local_(state[name + "_codes"], codes)  # (local shards: codes and scales of whole rows)
+                _dtensor.copy_local_(state[name + "_scales"], scales)
         master = values.get("master_param")
         keeps_master = master_of(state) is not None
         if master is not None and master.dtype != torch.float32:  # [note: stale masters]
             stale += [key] if keeps_master else []
             master = None
+        elif master is not None and keeps_master and _held_by_param_dtype(master, p.dtype):
+            master = None  # nothing the param does not hold: it may be a stale one DCP cast back to fp32
         if "master_param" in state:
             if master is not None:
                 _dtensor.copy_state_(state["master_param"], master)
@@ -198,6 +201,18 @@ def apply(opt: Optimizer, checked: Checked) -> None:
 # bf16 model trained on with stock AdamW hands back the master of the day it was loaded, never
 # updated since. Taking it would throw those steps away; the param is the current weight, so the
 # master comes from it (at the next step, whichever of model and optimizer was loaded first).
+#
+# A stale master can also come back as fp32: DCP copies a checkpoint's bf16 master_param into the fp32
+# tensor the loading optimizer asked for, before this code sees it. Such a master has no bits below the
+# param's precision. Neither has any master this optimizer wrote that is worth keeping: it always keeps
+# p = RNE(master), so a master the param's dtype represents exactly *is* its param. Taking those from
+# the param is therefore never wrong, and catches the cast stale ones (silently: they cannot be told apart).
+def _held_by_param_dtype(master, dtype: torch.dtype) -> bool:
+    """Every element of ``master`` (this rank's shard) is exactly representable in ``dtype`` (one host read)."""
+    local = _dtensor.local(master)
+    return dtype in KERNEL_DTYPES and dtype != torch.float32 and torch.equal(local, local.to(dtype).to(torch.float32))
+
+
 def stale_master_message(where, call: str) -> str:
     """The one warning for masters that are not fp32 (``where``: the state-dict ids or FQNs concerned)."""
     where = list(where)

@@ -32,7 +32,7 @@ import torch
 
 from . import _compact
 
-__all__ = ["CheckpointError", "save", "load", "latest", "rng_state", "set_rng_state", "to_torch_state_dict"]
+__all__ = ["CheckpointError", "save", "load", "latest", "rng_state", "set_rng_state", "to_torch_state_dict", "dcp_load"]
 
 MAGIC = b"AMPFUSED-CKPT-1\n"  # 16 bytes
 _TRAILER = len(MAGIC) + 32
@@ -176,3 +176,32 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
         originals = {id(v) for v in entry.values()}
         state[index] = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in originals else v for k, v in converted.items()}
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def dcp_load(state_dict: dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,
+             no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` (same arguments) that also loads a checkpoint whose optimizer
+    state has other keys than the loading optimizer's: a ``torch.optim.AdamW`` checkpoint into
+    ``FusedAmpAdamW`` in any mode, a ``FusedAmpAdamW`` one of any mode into ``torch.optim.AdamW`` (or
+    into another mode). Plain ``dcp.load`` asks the checkpoint for exactly the loading optimizer's keys
+    and fails with ``Missing key in checkpoint state_dict: ...master_param`` (or ``...exp_avg``).
+
+    Every optimizer state dict nested in ``state_dict`` (what ``get_state_dict`` /
+    ``get_optimizer_state_dict`` give) whose keys the checkpoint lacks is loaded in the form the
+    checkpoint has and handed on in torch's fp32 form (``step``, fp32 ``exp_avg``/``exp_avg_sq``/
+    ``max_exp_avg_sq``, compact moments decoded; an fp32 ``master_param`` when the checkpoint has
+    one), which ``set_state_dict`` / ``set_optimizer_state_dict`` then load into either optimizer:
+    FusedAmpAdamW encodes it into its modes and takes masters the checkpoint lacks from the params;
+    torch.optim.AdamW casts it to the params' dtype. A split master (``split16``/``split8``) is not
+    carried into another mode (the master restarts from the param). A ``master_param`` that is not
+    fp32 (another optimizer carried it along) is never taken, with one warning. Everything else loads
+    exactly as ``dcp.load`` loads it. Example, on any world size::
+
+        model_sd, optim_sd = get_state_dict(model, opt)
+        ampfused.checkpoint.dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    """
+    from . import _dcp
+
+    _dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
+              process_group=process_group, no_dist=no_dist)

@@ -165,3 +165,18 @@ def test_state_loaded_the_ordinary_way_does_not_warn(backend, device, mode, orde
             for i, (a, b) in enumerate(zip(masters(loaded), expected)):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: master {i} changed"
             train(resumed, loaded, 1, first=2)
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[1]], ids=MODE_IDS[:2])
+def test_a_stale_master_cast_back_to_fp32_is_not_taken_either(backend, device, mode):
+    """What plain DCP hands the optimizer: the carried bf16 master copied into an fp32 tensor. It cannot be
+    told from a master (no warning), but a master the param's dtype holds exactly is its param anyway."""
+    model_sd, stock_sd = stock_state_after_training_on(device, backend, mode)
+    for entry in stock_sd["state"].values():
+        entry["master_param"] = entry["master_param"].float()
+    for order in ORDERS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model, opt = resume(device, backend, mode, model_sd, stock_sd, order)
+        for i, (m, p) in enumerate(zip(masters(opt), model.parameters())):
+            assert torch.equal(m, p.detach().float()), f"{order}: param {i}: the master must be the param"
