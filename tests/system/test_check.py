@@ -13,7 +13,7 @@ import torch
 
 import ampfused
 from ampfused.__main__ import main as ampfused_main
-from ampfused import _backends, check, reference
+from ampfused import _backends, _gpu_advice, check, reference
 from ampfused._contract import SKIP
 from helpers import DEVICE, available_backends
 
@@ -161,6 +161,8 @@ def test_the_oracle_runs_no_backend(monkeypatch):
 
 
 def test_a_backend_asked_for_but_unavailable_fails(monkeypatch, capsys):
+    """On a GPU machine the probe's reason is passed on (without a GPU the line says that instead: test_cli)."""
+    monkeypatch.setattr(_gpu_advice, "machine_has_gpu", lambda: True)
     monkeypatch.setitem(_backends._probed, "cuda", (None, "no CUDA build here"))
     assert check.main(["--backend", "cuda", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
