@@ -64,11 +64,19 @@ _REDUCER_ONLY = {"device_ids", "output_device", "bucket_cap_mb", "find_unused_pa
                  "static_graph", "check_reduction", "dim"}
 
 
-class _Fp32DataParallel(torch.nn.Module):
+class _Fp32DataParallel(torch.nn.parallel.DistributedDataParallel):
     """What ``data_parallel`` returns when every trainable param is fp32-accumulated (DDP would refuse
     the module): ``.module``, ``forward``, ``no_sync()``, ``require_backward_grad_sync``, the state
     dict keys of DDP (``module.``-prefixed), rank 0's params and buffers at construction, and its
-    buffers before every forward (``broadcast_buffers``, DDP's default)."""
+    buffers before every forward (``broadcast_buffers``, DDP's default).
+
+    [note: a DDP without a reducer] It is a ``DistributedDataParallel`` that never runs DDP's
+    constructor (which refuses a module with nothing left to reduce) and has no reducer: code that
+    recognises DDP by ``isinstance`` treats it as one. That matters for checkpoints:
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` strips DDP's ``module.`` prefix, so a
+    checkpoint taken through ``data_parallel`` has the keys of a DDP's and loads into an unwrapped, DDP or
+    FSDP2 model. DDP's reducer-only methods (comm hooks, ``join``) are refused by name.
+    """
 
     def __init__(self, module, process_group=None, broadcast_buffers=True, **kwargs):
         import torch.distributed as dist
@@ -76,7 +84,7 @@ class _Fp32DataParallel(torch.nn.Module):
         unknown = set(kwargs) - _REDUCER_ONLY
         if unknown:
             raise TypeError(f"data_parallel() got DistributedDataParallel arguments it cannot honour here: {sorted(unknown)}")
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not DDP's: see [note: a DDP without a reducer]
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
@@ -102,6 +110,18 @@ class _Fp32DataParallel(torch.nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    # nn.Module's, not DDP's (which reach for the reducer and DDP's logger)
+    train = torch.nn.Module.train
+    __getstate__ = object.__getstate__
+    __setstate__ = torch.nn.Module.__setstate__
+
+    def _no_reducer(self, *args, **kwargs):
+        raise RuntimeError(
+            "this data_parallel module has no DistributedDataParallel reducer (every trainable param is "
+            "fp32-accumulated and all-reduced by ampfused): comm hooks and join() have nothing to act on")
+
+    register_comm_hook = join = _register_builtin_comm_hook = _no_reducer
 
 
 class _Fp32Reducer:

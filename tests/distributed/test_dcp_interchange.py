@@ -126,7 +126,8 @@ def stock_into_every_master_mode(rank, root, state_dtype):
 
 
 def every_master_mode_into_stock(rank, root, state_dtype):
-    """FusedAmpAdamW(mode) checkpoint -> stock AdamW: the saved params, moments decoded to fp32 (cast to bf16)."""
+    """FusedAmpAdamW(mode) checkpoint -> stock AdamW: the saved params, moments decoded to fp32 (cast to bf16);
+    and -> FusedAmpAdamW's default mode: the decoded moments, the fp32 master or one from the param."""
     for master_weights in MASTERS:
         what = f"master_weights={master_weights} state_dtype={state_dtype} -> stock"
         path = f"{root}/fused-{master_weights}"
@@ -149,6 +150,18 @@ def every_master_mode_into_stock(rank, root, state_dtype):
             assert float(stock.state[q]["step"]) == 2
         train(model, stock, rank, 1, first=2)  # and stock trains on
         assert all(torch.isfinite(local(p)).all() for p in model.parameters())
+        into_default = sharded(bf16_model())  # and into another mode: the default one
+        opt = fused(into_default, None, None)
+        load_with(ampfused.checkpoint.dcp_load, path, into_default, opt)
+        opt.state_dict()  # (masters left to the params are taken by now)
+        for i, (p, q) in enumerate(zip(saved_model.parameters(), into_default.parameters())):
+            decoded = _compact.decode_state({k: local(v) for k, v in saved.state[p].items()})
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(bits(opt.state[q][key]), bits(decoded[key])), f"{what} -> default: {key} of param {i}"
+            if master_weights is None:  # the fp32 master is carried; a split one restarts from the param
+                assert torch.equal(bits(opt.state[q]["master_param"]), bits(saved.state[p]["master_param"]))
+            else:
+                assert torch.equal(local(opt.state[q]["master_param"]), local(q).float()), f"{what} -> default: master {i}"
 
 
 def _interchange_worker(rank, world, root, state_dtype):

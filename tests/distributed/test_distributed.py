@@ -91,7 +91,8 @@ def check_bf16_ddp(rank, backend, ddp_kwargs, fp32_head):
     model = replicated_model(torch.bfloat16, fp32_head)
     opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP, backend=backend)
     ddp = ampfused.distributed.data_parallel(model, opt, **ddp_kwargs)
-    assert isinstance(ddp, DDP) == fp32_head, "DDP keeps the fp32 params; with none left, the reducer-less wrapper"
+    assert isinstance(ddp, DDP), "a DistributedDataParallel to code that asks (get_state_dict strips its prefix)"
+    assert (getattr(ddp, "reducer", None) is not None) == fp32_head, "DDP's reducer keeps the fp32 params; with none left, none"
     what = f"bf16 DDP {backend} {ddp_kwargs} fp32_head={fp32_head}"
     if ddp_kwargs.get("static_graph"):
         # torch's DDP learns a static graph from a synced first backward (no_sync() there trips an internal
