@@ -14,8 +14,9 @@ if (not _os.path.exists(_os.path.join(__path__[0], "kernels", "__init__.py"))
 del _os, _ROOT
 
 from . import checkpoint, distributed, functional
+from ._unused_options import UnusedOptionWarning
 from .optim import FusedAmpAdamW
 from .scaler import GradScaler
 
-__all__ = ["FusedAmpAdamW", "GradScaler", "checkpoint", "distributed", "functional"]
+__all__ = ["FusedAmpAdamW", "GradScaler", "UnusedOptionWarning", "checkpoint", "distributed", "functional"]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _args, _backends, _dtensor, _main_grad, _reducers, _state_dict, functional
+from . import _args, _backends, _dtensor, _main_grad, _reducers, _state_dict, _unused_options, functional
 from ._args import LOW_PRECISION
 from ._plan import GroupRows, StepPlan, grads_to_step
 from ._state import StateRoom, uses_master
@@ -111,6 +111,9 @@ class FusedAmpAdamW(Optimizer):
         if self._partition_reducer is not None and any(self._uses_main_grad(p) for p in self._all_params()):
             raise ValueError(_reducers.ZERO_FP32_MESSAGE)
         self._setup_main_grads()
+        _unused_options.warn_unused_options(_unused_options.unused_options(
+            self._all_params(), self._master_mode, self._moments, stochastic_rounding, fp32_grad_accumulation,
+            self._uses_main_grad), stacklevel=2)
 
     def _init_runtime(self) -> None:
         """Everything that is derived from the param groups and rebuilt, never pickled."""

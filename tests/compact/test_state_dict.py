@@ -2,6 +2,7 @@
 bit and continues the same run, torch.optim.AdamW's state dict loads into every mode, to_torch_state_dict
 loads into torch, DCP round-trips, a mismatched mode is refused before any write, and the options
 survive repr, pickle and deepcopy."""
+import contextlib
 import copy
 import io
 import pickle
@@ -156,8 +157,10 @@ def test_mismatched_compact_mode_is_refused_before_any_write(backend):
 @pytest.mark.parametrize("master_weights,state_dtype", [("split16", torch.bfloat16), ("split8", "int8")])
 def test_options_survive_repr_pickle_and_deepcopy(master_weights, state_dtype):
     params = opt_params()
-    opt = ampfused.FusedAmpAdamW(params, master_weights=master_weights, state_dtype=state_dtype, stochastic_rounding=True,
-                                 backend="reference")
+    # split8 masters with int8 moments round nothing to bf16: stochastic_rounding warns that it does nothing
+    with pytest.warns(ampfused.UnusedOptionWarning) if state_dtype == "int8" else contextlib.nullcontext():
+        opt = ampfused.FusedAmpAdamW(params, master_weights=master_weights, state_dtype=state_dtype,
+                                     stochastic_rounding=True, backend="reference")
     run_steps(opt, params, 2)
     text = repr(opt)
     assert f"{master_weights} master weights" in text and "stochastic_rounding: True" in text

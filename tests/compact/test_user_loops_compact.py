@@ -664,7 +664,11 @@ def test_split_masters_on_an_fp32_model_are_the_fp32_mode_and_say_so(master_weig
     runs = []
     for mw in (None, master_weights):
         model = odd_sized_net(torch.float32)
-        opt = optimizer(model.parameters(), (mw, None, False), "reference")
+        if mw is None:
+            opt = optimizer(model.parameters(), (mw, None, False), "reference")
+        else:  # and warns that the option does nothing here (issue 36 item 3)
+            with pytest.warns(ampfused.UnusedOptionWarning, match=f'master_weights="{mw}" has no effect'):
+                opt = optimizer(model.parameters(), (mw, None, False), "reference")
         train_checked(model, opt, one_cycle(opt), 2)
         runs.append((model, opt))
     assert_same_run(*runs[0], *runs[1])

@@ -85,7 +85,8 @@ def test_no_master_weights_updates_low_precision_params_in_fp32_math(backend, de
 
 def test_fp32_params_are_their_own_master(backend, device):
     model = torch.nn.Linear(4, 4).to(device)
-    opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend, master_weights=True, fp32_grad_accumulation=True)
+    with pytest.warns(ampfused.UnusedOptionWarning, match="fp32_grad_accumulation=True has no effect"):
+        opt = ampfused.FusedAmpAdamW(model.parameters(), backend=backend, master_weights=True, fp32_grad_accumulation=True)
     model(torch.randn(2, 4, device=device)).sum().backward()
     opt.step()
     assert all("master_param" not in opt.state[p] and not hasattr(p, "main_grad") for p in model.parameters())
