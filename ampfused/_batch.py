@@ -18,7 +18,7 @@ from ._contract import FLAG_AMSGRAD, FLAG_MAXIMIZE, LR_F32, LR_KIND_OF_DTYPE, LR
 class Hyper(NamedTuple):
     """One group row: the hyperparameters of one param group, shared by all tensors of the group.
 
-    Converted from the group dict once per step (``_plan.StepPlan.hypers``, ``functional.group_hypers``):
+    Converted from a group dict when its values change (``_plan.GroupRows``), or per call (``functional.group_hypers``):
     floats and bools, ``lr`` a float or a 1-element tensor (read on the device: no sync). Backends
     read these fields as they are.
     """
