@@ -144,6 +144,15 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
 
         torch_sd = ampfused.checkpoint.to_torch_state_dict(opt.state_dict(), [p for g in opt.param_groups for p in g["params"]])
         torch.optim.AdamW(model.parameters()).load_state_dict(torch_sd)
+
+    Sharded state (FSDP2's DTensors, keyed by FQN as ``get_optimizer_state_dict`` gives it) converts shard
+    by shard into DTensors placed like the params: a DCP checkpoint in torch's form, which
+    ``torch.optim.AdamW`` loads with plain ``dcp.load`` (FusedAmpAdamW: with :func:`dcp_load`, or plain
+    ``dcp.load`` in a mode whose keys are torch's: fp32 masters, fp32 or bf16 moments)::
+
+        model_sd, optim_sd = get_state_dict(model, opt)
+        optim_sd = ampfused.checkpoint.to_torch_state_dict(optim_sd, dict(model.named_parameters()))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     """
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise TypeError("to_torch_state_dict expects an optimizer state dict (a dict with 'state' and 'param_groups')")
@@ -169,13 +178,26 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
             if shape is not None and tuple(shape) != tuple(param.shape):
                 raise ValueError(f"param for state {index} has shape {tuple(param.shape)}, its state {tuple(shape)}: params are not in state-dict order")
         kept = {k: v for k, v in entry.items() if not _compact.is_compact_key(k)}
-        converted = {**kept, **_compact.decode_state(entry, param)}
+        converted = {**kept, **_decoded(entry, param)}
         # a state dict holds the optimizer's live tensors (as torch's does), and torch's
         # load_state_dict keeps fp32 tensors it loads onto fp32 params as they are: a converted dict
         # loaded in the same process would share (and step) ampfused's counters and moments. Copy them.
         originals = {id(v) for v in entry.values()}
         state[index] = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in originals else v for k, v in converted.items()}
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def _decoded(entry: dict, param) -> dict:
+    """``_compact.decode_state`` of one entry; a sharded (DTensor) entry decoded shard by shard, as its
+    blocks never straddle a shard, and handed back as DTensors placed like the param."""
+    from . import _dtensor
+
+    like = next((v for k, v in entry.items() if _dtensor.is_dtensor(v) and not k.endswith("_scales")), None)
+    if like is None:
+        return _compact.decode_state(entry, param)
+    local = {k: _dtensor.local(v) for k, v in entry.items()}
+    decoded = _compact.decode_state(local, None if param is None else _dtensor.local(param))
+    return {k: v if k == "step" else _dtensor.like_param(v, like) for k, v in decoded.items()}
 
 
 def dcp_load(state_dict: dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,

@@ -126,10 +126,15 @@ def stock_into_every_master_mode(rank, root, state_dtype):
 
 
 def every_master_mode_into_stock(rank, root, state_dtype):
-    """FusedAmpAdamW(mode) checkpoint -> stock AdamW: the saved params, moments decoded to fp32 (cast to bf16);
-    and -> FusedAmpAdamW's default mode: the decoded moments, the fp32 master or one from the param."""
+    """FusedAmpAdamW(mode) -> stock AdamW, the checkpoint as the optimizer wrote it (through dcp_load) or in
+    torch's form (``to_torch_state_dict`` of the sharded state, through plain dcp.load): the saved params, the
+    moments decoded to fp32 (stock casts them to bf16). And -> FusedAmpAdamW's default mode: the decoded
+    moments; the master the checkpoint holds (torch's form: every mode's, split ones joined with their
+    params), else one from the param."""
+    import torch.distributed.checkpoint as dcp
+
     for master_weights in MASTERS:
-        what = f"master_weights={master_weights} state_dtype={state_dtype} -> stock"
+        mode = f"master_weights={master_weights} state_dtype={state_dtype}"
         path = f"{root}/fused-{master_weights}"
         saved_model = sharded(bf16_model())
         saved = fused(saved_model, master_weights, state_dtype)
@@ -137,31 +142,44 @@ def every_master_mode_into_stock(rank, root, state_dtype):
         if state_dtype == "int8":
             assert "exp_avg_codes" in saved.state[saved_model[2].weight], "the test needs int8 moments in the checkpoint"
         save(path, saved_model, saved)
-        model = sharded(bf16_model())
-        stock = torch.optim.AdamW(model.parameters(), **HYPER)
-        load_with(ampfused.checkpoint.dcp_load, path, model, stock)
-        for i, (p, q) in enumerate(zip(saved_model.parameters(), model.parameters())):
-            assert torch.equal(bits(p), bits(q)), f"{what}: param {i}"
-            decoded = _compact.decode_state({k: local(v) for k, v in saved.state[p].items()})
-            for key in ("exp_avg", "exp_avg_sq"):
-                got = local(stock.state[q][key])
-                assert got.dtype == torch.bfloat16, f"{what}: stock keeps bf16 moments for bf16 params"
-                assert torch.equal(bits(got), bits(decoded[key].to(torch.bfloat16))), f"{what}: {key} of param {i}"
-            assert float(stock.state[q]["step"]) == 2
-        train(model, stock, rank, 1, first=2)  # and stock trains on
-        assert all(torch.isfinite(local(p)).all() for p in model.parameters())
-        into_default = sharded(bf16_model())  # and into another mode: the default one
-        opt = fused(into_default, None, None)
-        load_with(ampfused.checkpoint.dcp_load, path, into_default, opt)
-        opt.state_dict()  # (masters left to the params are taken by now)
-        for i, (p, q) in enumerate(zip(saved_model.parameters(), into_default.parameters())):
-            decoded = _compact.decode_state({k: local(v) for k, v in saved.state[p].items()})
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(bits(opt.state[q][key]), bits(decoded[key])), f"{what} -> default: {key} of param {i}"
-            if master_weights is None:  # the fp32 master is carried; a split one restarts from the param
-                assert torch.equal(bits(opt.state[q]["master_param"]), bits(saved.state[p]["master_param"]))
-            else:
-                assert torch.equal(local(opt.state[q]["master_param"]), local(q).float()), f"{what} -> default: master {i}"
+        save_torch_form(f"{path}-torch", saved_model, saved)
+        decoded = [_compact.decode_state({k: local(v) for k, v in saved.state[p].items()}, local(p))
+                   for p in saved_model.parameters()]
+        for loader, source, what in ((ampfused.checkpoint.dcp_load, path, f"{mode} -> stock"),
+                                     (dcp.load, f"{path}-torch", f"{mode} in torch's form -> stock, plain dcp.load")):
+            model = sharded(bf16_model())
+            stock = torch.optim.AdamW(model.parameters(), **HYPER)
+            load_with(loader, source, model, stock)
+            for i, (p, q) in enumerate(zip(saved_model.parameters(), model.parameters())):
+                assert torch.equal(bits(p), bits(q)), f"{what}: param {i}"
+                for key in ("exp_avg", "exp_avg_sq"):
+                    got = local(stock.state[q][key])
+                    assert got.dtype == torch.bfloat16, f"{what}: stock keeps bf16 moments for bf16 params"
+                    assert torch.equal(bits(got), bits(decoded[i][key].to(torch.bfloat16))), f"{what}: {key} of param {i}"
+                assert float(stock.state[q]["step"]) == 2
+            train(model, stock, rank, 1, first=2)  # and stock trains on
+            assert all(torch.isfinite(local(p)).all() for p in model.parameters())
+        for source, what in ((path, f"{mode} -> default mode"), (f"{path}-torch", f"{mode} in torch's form -> default mode")):
+            model = sharded(bf16_model())
+            opt = fused(model, None, None)
+            load_with(ampfused.checkpoint.dcp_load, source, model, opt)
+            opt.state_dict()  # (masters left to the params are taken by now)
+            carried = master_weights is None or source.endswith("-torch")  # a split master needs its param
+            for i, (p, q) in enumerate(zip(saved_model.parameters(), model.parameters())):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(bits(opt.state[q][key]), bits(decoded[i][key])), f"{what}: {key} of param {i}"
+                master = decoded[i]["master_param"] if carried and master_weights is not False else local(q).float()
+                assert torch.equal(bits(opt.state[q]["master_param"]), bits(master)), f"{what}: master {i}"
+
+
+def save_torch_form(root, model, opt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optim_sd = ampfused.checkpoint.to_torch_state_dict(optim_sd, dict(model.named_parameters()))
+    assert all(not _compact.is_compact_key(k) for entry in optim_sd["state"].values() for k in entry)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
 
 
 def _interchange_worker(rank, world, root, state_dtype):
