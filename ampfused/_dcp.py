@@ -6,7 +6,7 @@ A torch.optim.AdamW checkpoint of a bf16 model has ``exp_avg``/``exp_avg_sq``/``
 FusedAmpAdamW asks for its own keys (``master_param``, ``master_low16``, int8 codes and scales ...),
 and a stock AdamW loading a compact FusedAmpAdamW checkpoint asks for an ``exp_avg`` it does not
 have. (``DefaultLoadPlanner(allow_partial_load=True)`` is no answer: the keys it skips keep the
-loading optimizer's fresh values, a fresh master among them.)
+loading optimizer's fresh values, zero int8 moments for a stock checkpoint's.)
 
 :func:`load` reads the checkpoint's metadata first and, for every optimizer state entry whose keys
 the checkpoint does not have, asks for the keys it does have instead (tensors shaped, typed and
