@@ -26,7 +26,6 @@ from test_dcp import kernel_backend
 pytestmark = requires_gloo
 HYPER = dict(lr=1e-2, weight_decay=0.1)
 MASTERS = (None, "split16", "split8", False)  # fp32 (the default), split16, split8, none
-INT8_UNDER_FSDP2 = "int8 moments under FSDP2: issue 34 item 2 (blocks that never straddle a shard)"
 
 
 def bf16_model():
