@@ -13,8 +13,8 @@ from torch import Tensor
 
 from . import _backends, _dtensor
 from ._batch import check_tensor_lr
-from ._contract import (INT8_BLOCK, KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights,
-                        master_mismatch)
+from ._contract import (KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights, encoding_for,
+                        master_mismatch, scales_shape)
 from ._layout import is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -141,15 +141,16 @@ def check_param_group(param_group: dict, defaults: dict, existing: list, check_p
     return param_group
 
 
-def check_param_modes(p, mode: str, moments) -> None:
+def check_param_modes(p, mode: str, moments, stochastic: bool = False) -> None:
     """A param the compact modes can serve: a split master completes the params of
     ``_contract.MASTER_PARAM_DTYPES`` only (``_contract.check_master_weights``); blockwise int8 moments
-    need the whole tensor (a DTensor's local shard would cut the blocks)."""
+    and stochastic rounding of a DTensor need whole rows per shard ([note: blocks in rows])."""
     check_master_weights(p, mode)
-    if moments == "int8" and _dtensor.is_dtensor(p):
-        raise ValueError('state_dtype="int8" with a DTensor (FSDP2) parameter: blockwise scales of a local shard cannot '
-                         'be resharded; use state_dtype=torch.bfloat16, or convert checkpoints with '
-                         'ampfused.checkpoint.to_torch_state_dict')
+    if _dtensor.is_dtensor(p):
+        if moments == "int8" and encoding_for(p, mode, moments)[1] == "int8":
+            _dtensor.check_rows_sharded(p, 'state_dtype="int8" (blocks within rows)')
+        if stochastic:
+            _dtensor.check_rows_sharded(p, "stochastic_rounding=True (bits keyed by the element's index in the whole tensor)")
 
 
 def check_flag(value, name: str) -> None:
@@ -262,11 +263,11 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
         if m.dtype == torch.int8:
             if v.dtype != torch.uint8 or (vmax is not None and vmax.dtype != torch.uint8):
                 raise ValueError(f"exp_avgs[{i}] holds int8 codes: exp_avg_sqs[{i}] (and max_exp_avg_sqs[{i}]) must be uint8 codes")
-            blocks = -(-p.numel() // INT8_BLOCK)
-            if (scales is None or len(scales) != 3 or any(s is not None and (s.dtype != torch.float32 or s.numel() != blocks) for s in scales)
+            blocks = scales_shape(p.shape)  # [note: blocks in rows]
+            if (scales is None or len(scales) != 3 or any(s is not None and (s.dtype != torch.float32 or tuple(s.shape) != blocks) for s in scales)
                     or scales[0] is None or scales[1] is None or ((vmax is None) != (scales[2] is None))):
                 raise ValueError(f"tensor {i} has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
-                                 f"max_exp_avg_sq_scales or None), fp32 tensors of {blocks} blocks")
+                                 f"max_exp_avg_sq_scales or None), fp32 tensors of shape {blocks} (rows, blocks per row)")
         else:
             if scales is not None:
                 raise ValueError(f"moment_scales[{i}] is given but exp_avgs[{i}] is {m.dtype}, not int8 codes")

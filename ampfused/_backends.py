@@ -67,7 +67,7 @@ class Backend(Protocol):
         shape, device and memory layout as their param, a kernel dtype. ``scratch``: as above.
 
         Compact state (DESIGN §9; ``ampfused._compact`` specifies every encoding) is told by dtypes:
-        ``masters[i]`` fp32 (a master copy), int16 (split16 low bits, bf16 params) or int8 (split8
+        ``masters[i]`` fp32 (a master copy), bfloat16 bits (split16 low halves, bf16 params) or int8 (split8
         residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
         ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
         memory order) come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,

@@ -83,20 +83,24 @@ class Batch:
     ``functional.run_step`` derives from it (the reference passes' share, see [note: wide params]).
     ``index``: each tensor's position in the step's full lists (``None``: ``0..n-1``), what keys its
     stochastic-rounding bits ([note: rounding bits]), so a share of a split step draws the same bits.
+    ``element_base``: each tensor's first element's index in its whole tensor (``None``: all 0): a
+    DTensor's local shard counts its random bits from its offset, as the unsharded tensor does.
     ``lr_kinds[j]``: how the kernels read ``groups[j].lr`` (:func:`lr_kind`), set with ``groups``:
     the one place a tensor lr is classified, which every kernel backend reads.
     """
 
     __slots__ = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "masters", "group_ids",
-                 "_groups", "lr_kinds", "moment_scales", "index", "parts")
+                 "_groups", "lr_kinds", "moment_scales", "index", "element_base", "parts")
 
     def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                  exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor | None], steps: Sequence[Tensor],
                  masters: Sequence[Tensor | None], group_ids: Sequence[int], groups: Sequence[Hyper],
-                 moment_scales: Sequence | None = None, index: Sequence[int] | None = None):
+                 moment_scales: Sequence | None = None, index: Sequence[int] | None = None,
+                 element_base: Sequence[int] | None = None):
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, grads, exp_avgs, exp_avg_sqs
         self.max_exp_avg_sqs, self.steps, self.masters = max_exp_avg_sqs, steps, masters
         self.group_ids, self.groups, self.moment_scales, self.index = group_ids, groups, moment_scales, index
+        self.element_base = element_base
         self.parts: dict = {}
 
     @property

@@ -5,7 +5,7 @@ the same functions for one element and are tested bitwise against this file. Int
 on the fp32 bit pattern ``u`` (as int64, so nothing overflows); ``RNE`` is round to nearest even.
 
 **split16** (bf16 params, 2 B/param): the fp32 master ``m`` is kept as the param ``p = RNE_bf16(m)``
-plus the low 16 bits of ``m`` (``master_low16``, int16). The param says whether rounding went up,
+plus the low 16 bits of ``m`` (``master_low16``, their bits as bfloat16: [note: split16 dtype] in ``_contract.py``). The param says whether rounding went up,
 except at an exact tie (low half ``0x8000``), where two masters share one param. [note: tie rule]
 There the stored master is nudged one fp32 ulp toward the param (low half ``0x7FFF`` when ``p``
 rounded down, ``0x8001`` when it rounded up), so ``p`` stays ``RNE(master)``::
@@ -40,8 +40,9 @@ The bits come from one counter-based hash of (seed, tensor index, element index)
 every backend (:func:`random_words`, [note: rounding bits] in ``_contract.py``); a step's seed is
 drawn on the host from torch's generator, so ``torch.manual_seed`` reproduces a run.
 
-**int8 moments** (``state_dtype="int8"``): blocks of ``BLOCK = 256`` consecutive elements (row-major
-order), an fp32 scale per block, and a float-like 8-bit code of ``y = x / scale`` -- a piecewise
+**int8 moments** (``state_dtype="int8"``): blocks of ``BLOCK = 256`` consecutive elements within a
+row (a dim-0 slice; the last block of a row may be short: [note: blocks in rows] in ``_contract.py``,
+so a ``Shard(0)`` shard holds whole blocks), an fp32 scale per block, and a float-like 8-bit code of ``y = x / scale`` -- a piecewise
 linear log compander (as A-law's segments): constant relative error over a wide range, linear near 0.
 
 - ``exp_avg``: scale = block ``max|m|``; int8 code ``±k``, ``k = 8f + t`` (4-bit exponent ``f``,
@@ -59,7 +60,8 @@ own ``sqrt(v)``, so small elements of a block matter as much as large ones. Thes
 constant relative error over 2^14 and encode with integer operations only, exactly on every backend.
 Codes are RNE of ``y`` to the grid (ties to the even code). A block with a non-finite element
 decodes to NaN (its scale is not finite). Tensors under ``SMALL_TENSOR_NUMEL`` elements keep fp32
-moments (as bitsandbytes keeps small tensors in 32 bits): their scales would cost more than they save.
+moments (as bitsandbytes keeps small tensors in 32 bits): their scales would cost more than they save;
+so do 1-D tensors (biases, norms' weights), whose blocks a shard boundary could cut.
 
 **Compact state keys** (``opt.state[p]`` and ``state_dict()["state"][i]``):
 
@@ -68,16 +70,18 @@ key                         dtype, shape                when
 ==========================  ==========================  =============================================
 ``step``                    fp32, 0-d                   always (as torch)
 ``master_param``            fp32, p's shape             ``master_weights="fp32"``, fp16/bf16 ``p``
-``master_low16``            int16, p's shape            ``"split16"``: low 16 bits of the master
+``master_low16``            bf16 bits, p's shape            ``"split16"``: low 16 bits of the master
 ``master_residual8``        int8, p's shape             ``"split8"``: ``e`` in ``ulp(p)/256``
 ``exp_avg`` (``_sq``,       fp32 or bf16, p's shape     ``state_dtype`` fp32 / bf16; fp32 for tensors
 ``max_exp_avg_sq``)                                     under ``SMALL_TENSOR_NUMEL`` with ``"int8"``
-``exp_avg_codes``           int8, p's shape             ``"int8"`` (and ``exp_avg_scales``, fp32 [nb])
+``exp_avg_codes``           int8, p's shape             ``"int8"`` (and ``exp_avg_scales``, fp32 [r, nb])
 ``exp_avg_sq_codes``        uint8, p's shape            ``"int8"`` (and ``exp_avg_sq_scales``)
 ``max_exp_avg_sq_codes``    uint8, p's shape            ``"int8"``, amsgrad (and ``..._scales``)
 ==========================  ==========================  =============================================
 
-``nb = ceil(numel / BLOCK)``. No master key on a 16-bit param means ``master_weights=False``.
+``r = p.shape[0]`` rows, ``nb = ceil(numel / r / BLOCK)`` blocks per row (``_contract.scales_shape``;
+format 2: before it the scales were one flat vector, ``[ceil(numel / BLOCK)]``, of blocks that ignored
+rows). No master key on a 16-bit param means ``master_weights=False``.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ from torch import Tensor
 from ._contract import INT8_BLOCK as BLOCK
 from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
                         SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, check_master_weights,
-                        dtype_names, encoding_for, master_mismatch, moment_encoding)
+                        block_rows, dtype_names, encoding_for, master_mismatch, moment_encoding, scales_shape)
 from ._layout import is_dense
 
 __all__ = [
@@ -146,14 +150,14 @@ def _rne16_bits(u: Tensor) -> Tensor:
 # ------------------------------------------------------------------ split16
 
 def split16(master: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 master -> (bf16 param ``RNE(master)``, int16 low bits), with the tie rule."""
+    """fp32 master -> (bf16 param ``RNE(master)``, its low bits as ``master_low16``'s dtype), with the tie rule."""
     u = _bits(master)
     hi = _rne16_bits(u)
     lo = u & 0xFFFF
     tie = (lo == 0x8000) & ~_is_nan_bits(u)
     lo = torch.where(tie, torch.where(hi == (u >> 16), 0x7FFF, 0x8001), lo)
     lo = torch.where(_is_nan_bits(u), 0, lo)
-    return _from_bits16(hi, torch.bfloat16).view(master.shape), _from_bits16(lo, torch.int16).view(master.shape)
+    return _from_bits16(hi, torch.bfloat16).view(master.shape), _from_bits16(lo, MASTER_ENCODINGS["split16"][0]).view(master.shape)
 
 
 def _check_param(mode: str, dtype: torch.dtype) -> None:
@@ -164,7 +168,7 @@ def _check_param(mode: str, dtype: torch.dtype) -> None:
 
 
 def join16(param: Tensor, low: Tensor) -> Tensor:
-    """(bf16 param, int16 low bits) -> fp32 master; ``join16(*split16(m)) == m`` but at ties and NaN."""
+    """(bf16 param, low bits: ``master_low16``, or their int16 form) -> fp32 master; ``join16(*split16(m)) == m`` but at ties and NaN."""
     _check_param("split16", param.dtype)
     hi = _bits16(param)
     lo = _bits16(low)
@@ -257,11 +261,11 @@ def random_words(seed: int, index: int, elements: Tensor) -> tuple[Tensor, Tenso
     return _mix32(y ^ SR_WORD0_SALT), _mix32(y ^ SR_WORD1_SALT)
 
 
-def element_index(t: Tensor) -> Tensor:
-    """The index of each element of ``t`` (int64, ``t``'s shape) as the kernels count it: its offset
-    in ``t``'s memory for a dense tensor, its row-major position otherwise (which only the
-    reference passes serve)."""
-    k = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
+def element_index(t: Tensor, base: int = 0) -> Tensor:
+    """The index of each element of ``t`` (int64, ``t``'s shape) as the kernels count it: ``base`` (a
+    shard's offset in its whole tensor) plus its offset in ``t``'s memory for a dense tensor, its
+    row-major position otherwise (which only the reference passes serve)."""
+    k = torch.arange(base, base + t.numel(), dtype=torch.int64, device=t.device)
     if t.is_contiguous() or not is_dense(t):
         return k.view(t.shape)
     return k.as_strided(t.shape, t.stride())
@@ -301,39 +305,54 @@ def _decode_unit(k: Tensor, mant: int) -> Tensor:
 
 
 def _blocks(x: Tensor) -> Tensor:
-    flat = x.reshape(-1).to(torch.float32)
-    pad = (-flat.numel()) % BLOCK
-    return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK), pad
+    """``x`` (fp32, in row-major order) as ``[blocks, BLOCK]``: each row ([note: blocks in rows] in
+    ``_contract.py``) cut into blocks, its last one padded with zeros."""
+    rows, row_numel = block_rows(x.shape)
+    flat = x.reshape(rows, row_numel).to(torch.float32)
+    pad = (-row_numel) % BLOCK
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
+
+
+def _unblock(blocks: Tensor, shape) -> Tensor:
+    """:func:`_blocks`' inverse: the padding dropped, ``shape`` restored."""
+    rows, row_numel = block_rows(shape)
+    return blocks.reshape(rows, -1)[:, :row_numel].reshape(shape)
 
 
 def quantize(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    """fp32 moment -> (codes of ``x``'s shape, fp32 per-block scales); ``kind`` "signed" (exp_avg)
-    or "sqrt" (exp_avg_sq, max_exp_avg_sq; ``x >= 0``)."""
+    """fp32 moment -> (codes of ``x``'s shape, fp32 per-block scales of ``scales_shape(x.shape)``);
+    ``kind`` "signed" (exp_avg) or "sqrt" (exp_avg_sq, max_exp_avg_sq; ``x >= 0``)."""
     mant, one = _GRIDS[kind]
-    blocks, _ = _blocks(x)
+    blocks = _blocks(x)
     if kind == "sqrt":
         blocks = blocks.double().sqrt().float()  # correctly rounded, as sqrtf and the kernels' sqrt_rn
     scales = blocks.abs().amax(dim=1)
     y = blocks / scales[:, None]
     k = torch.where(torch.isfinite(y), _encode_unit(y, mant), 0).clamp(max=one)
-    codes = k.reshape(-1)[: x.numel()]
     if kind == "signed":
-        codes = torch.where(y.reshape(-1)[: x.numel()] < 0, -codes, codes)
-    return codes.to(torch.int8 if kind == "signed" else torch.uint8).view(x.shape), scales
+        k = torch.where(y < 0, -k, k)
+    codes = _unblock(k, x.shape)
+    return codes.to(torch.int8 if kind == "signed" else torch.uint8), scales.view(scales_shape(x.shape))
 
 
 def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
-    """(codes, scales) -> fp32 moment of ``codes``' shape (see the module docstring for the maps)."""
+    """(codes, scales) -> fp32 moment of ``codes``' shape (see the module docstring for the maps).
+    Scales of compact format 1 (one flat vector: blocks of the flattened tensor, which ignored rows)
+    decode too, so ``ampfused.checkpoint.to_torch_state_dict`` converts such a checkpoint."""
+    if scales.dim() == 1 and codes.dim() >= 2 and scales.numel() == -(-codes.numel() // BLOCK):
+        return dequantize(codes.reshape(-1), scales, kind).view(codes.shape)  # format 1: one row
+    if tuple(scales.shape) != scales_shape(codes.shape):
+        raise ValueError(f"{tuple(scales.shape)} scales for codes of shape {tuple(codes.shape)}: the block grid "
+                         f"([note: blocks in rows]) has {scales_shape(codes.shape)}")
     mant, _ = _GRIDS[kind]
-    k = codes.to(torch.int64).reshape(-1)
+    k = codes.to(torch.int64)
     value = _decode_unit(k.abs(), mant)
     if kind == "signed":
         value = torch.where(k < 0, -value, value)
-    blocks, _ = _blocks(value)
-    out = (blocks * scales[:, None]).reshape(-1)
+    out = _blocks(value) * scales.reshape(-1, 1)
     if kind == "sqrt":
         out = out * out
-    return out[: codes.numel()].view(codes.shape)
+    return _unblock(out, codes.shape)
 
 
 # ------------------------------------------------------------------ per-tensor state
@@ -483,7 +502,7 @@ def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: 
                         weight_decay: float, amsgrad: bool = False, maximize: bool = False, factor: Tensor | None = None,
                         skip: Tensor | None = None, stochastic_rounding: bool = False,
                         generator: torch.Generator | None = None, rounding_seed: int | None = None,
-                        rounding_index: int = 0) -> None:
+                        rounding_index: int = 0, element_base: int = 0) -> None:
     """One AdamW step of one tensor on compact state: decode -> :func:`adamw_math` -> encode.
 
     With ``split16`` masters and fp32 moments the result is the fp32-master step bit for bit (but
@@ -492,7 +511,8 @@ def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: 
     Modes are read from the state's keys (see the module docstring). ``stochastic_rounding`` rounds
     the bf16 writes without an exact master (bf16 moments, a bf16 param without master) with the
     bits of :func:`random_words` for ``rounding_seed`` (drawn from ``generator``, or torch's default
-    one, when None) and ``rounding_index``, the tensor's position in the step's full lists.
+    one, when None) and ``rounding_index``, the tensor's position in the step's full lists; a shard
+    of a larger tensor counts its elements from ``element_base``, its offset there.
     """
     keep = torch.zeros((), dtype=torch.bool, device=param.device) if skip is None else (skip != 0)
     mode = _master_mode(param, state)
@@ -509,7 +529,7 @@ def compact_adamw_step_(param: Tensor, grad: Tensor, state: dict, *, lr, beta1: 
     rand = [None] * 4
     if stochastic_rounding:
         seed = draw_rounding_seed(generator, param.device) if rounding_seed is None else rounding_seed
-        word0, word1 = random_words(seed, rounding_index, element_index(param))
+        word0, word1 = random_words(seed, rounding_index, element_index(param, element_base))
         rand = [word0 & 0xFFFF, word0 >> 16, word1 & 0xFFFF, word1 >> 16]
     # Encode into a scratch dict, then commit every buffer with where(skip, old, new).
     moment_mode = moment_encoding(state["exp_avg_codes"] if "exp_avg_codes" in state else state["exp_avg"])

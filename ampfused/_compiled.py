@@ -236,7 +236,7 @@ class CompiledBackend:
         # graphs, the float32 copy an lr on another device or of another dtype needs.
         lrs = [float(h.lr) if kind == LR_VALUE else 0.0 for h, kind in zip(groups, batch.lr_kinds)]
         lr_tensors = [None if kind == LR_VALUE else h.lr.detach() for h, kind in zip(groups, batch.lr_kinds)]
-        params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, flat_scales, index = \
+        params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, group_ids, flat_scales, index, bases = \
             _per_plan(scratch, "compiled update lists", batch, lambda: self._tensor_lists(batch))
         kernel_grads = _kernel_grads(batch, params, scratch, "compiled update grads")
         torch.ops.ampfused.adamw_update(
@@ -244,7 +244,7 @@ class CompiledBackend:
             [h.beta1 for h in groups], [h.beta2 for h in groups], [h.eps for h in groups],
             [h.weight_decay for h in groups], [h.flags for h in groups], stats,
             self._scratch_buffer(scratch, stats.device), grad_scale, None if rounding_seed is None else int(rounding_seed),
-            flat_scales, index)
+            flat_scales, index, bases)
         if grad_scale is not None:
             copy_back_unscaled(batch.grads, kernel_grads)
 
@@ -263,7 +263,8 @@ class CompiledBackend:
         return (list(params), list(batch.exp_avgs), list(batch.exp_avg_sqs),
                 [none if t is None else t for t in batch.max_exp_avg_sqs], list(batch.steps),
                 [none if t is None else t for t in batch.masters], list(batch.group_ids), flat_scales,
-                None if batch.index is None else [int(i) for i in batch.index])
+                None if batch.index is None else [int(i) for i in batch.index],
+                None if batch.element_base is None else [int(b) for b in batch.element_base])
 
     def scaler_update_(self, found_inf, scale, growth_tracker, hysteresis_tracker, skipped_steps, consecutive_skips, watch,
                        *, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale) -> None:

@@ -61,13 +61,13 @@ LR_SLOT = 5
 
 # Compact state (DESIGN §9, ampfused/_compact.py): how a tensor's master and moments are stored.
 MASTER_F32 = 0      # an fp32 master, or none
-MASTER_SPLIT16 = 1  # int16 low halves of the fp32 master (bf16 params)
+MASTER_SPLIT16 = 1  # low halves of the fp32 master (bf16 params), as bf16 bit patterns: [note: split16 dtype]
 MASTER_SPLIT8 = 2   # int8 residuals in ulp(p)/256 (bf16 and fp16 params)
 MOMENT_F32 = 0      # fp32 exp_avg / exp_avg_sq / max_exp_avg_sq
 MOMENT_BF16 = 1     # bf16 moments (round to nearest even, or stochastic)
 MOMENT_INT8 = 2     # int8 exp_avg / uint8 exp_avg_sq codes, fp32 scales per INT8_BLOCK elements
-INT8_BLOCK = 256            # elements per int8 block (one fp32 scale each), in the param's memory order
-SMALL_TENSOR_NUMEL = 4096   # tensors with fewer elements keep fp32 moments under state_dtype="int8"
+INT8_BLOCK = 256            # elements per int8 block (one fp32 scale each), within a row: [note: blocks in rows]
+SMALL_TENSOR_NUMEL = 4096   # tensors with fewer elements (or one dimension) keep fp32 moments under state_dtype="int8"
 # The int8 code grids ([note: float-like grids] in ampfused/_compact.py): mantissa bits and the code of 1.0.
 SIGNED_MANT = 3   # exp_avg: sign + 4-bit exponent + 3-bit mantissa
 SIGNED_ONE = 120
@@ -81,7 +81,9 @@ SQRT_ONE = 240
 # ROUNDING_SEED_BITS-bit words (its low 62 bits: Triton takes them as int32 arguments):
 #   key  = mix(mix(mix(mix(index + SR_KEY_SALT) ^ seed_lo) ^ seed_hi) ^ (k >> 32))
 #   y    = mix((k & 0xFFFFFFFF) ^ key);  word0 = mix(y ^ SR_WORD0_SALT);  word1 = mix(y ^ SR_WORD1_SALT)
-# for element k (in the param's memory order) of the tensor at ``index`` in the step's full lists.
+# for element k (in the param's memory order, counted in the whole tensor: a DTensor shard's elements
+# from its offset, so a sharded run draws the bits of an unsharded one) of the tensor at ``index`` in
+# the step's full lists.
 # Low/high 16 bits of word0 round exp_avg / exp_avg_sq, those of word1 max_exp_avg_sq / the param.
 ROUNDING_SEED_BITS = 31
 SR_MIX_MUL1 = 0x21F0AAAD
@@ -122,7 +124,7 @@ SHARED = {
 # csrc/contract_aten_generated.h).
 MASTER_ENCODINGS = {  # master mode -> (the master buffer's dtype, its MASTER_ code, its state key, what it holds)
     "fp32": (torch.float32, MASTER_F32, "master_param", "fp32 master"),
-    "split16": (torch.int16, MASTER_SPLIT16, "master_low16", "split16 low halves"),
+    "split16": (torch.bfloat16, MASTER_SPLIT16, "master_low16", "split16 low halves"),
     "split8": (torch.int8, MASTER_SPLIT8, "master_residual8", "split8 residuals"),
 }
 MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg_sq dtype), its MOMENT_ code)
@@ -134,6 +136,13 @@ MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode 
     "split16": (torch.bfloat16,),
     "split8": (torch.bfloat16, torch.float16),
 }
+# [note: split16 dtype] split16's low halves are 16-bit patterns, not numbers: they travel as bfloat16
+# because collectives move no int16 (gloo refuses it, NCCL has no such type), so a DTensor of int16
+# could not be gathered (full_state_dict, full_tensor()); and bfloat16, the param's own dtype, is
+# the one float dtype that a cast to the param's dtype (torch's load policy) leaves bitwise alone.
+# Nothing computes on them: every backend reads their bits. Checkpoints of the int16 form load
+# (``_state_dict``, the same bits viewed).
+MASTER_LOW16_LEGACY_DTYPE = torch.int16
 MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _, _) in MASTER_ENCODINGS.items()}
 MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
 
@@ -145,14 +154,14 @@ def dtype_names(dtypes) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-# Each master encoding for messages, its buffer's dtype and what it holds: "int16 (split16 low halves)"
+# Each master encoding for messages, its buffer's dtype and what it holds: "bfloat16 (split16 low halves)"
 # (C++: master_description in csrc/contract_aten_generated.h).
 MASTER_DESCRIPTIONS = {mode: f"{dtype_names([dtype])} ({holds})" for mode, (dtype, _, _, holds) in MASTER_ENCODINGS.items()}
-# The master buffers a step takes, for a message: "float32 (fp32 master), int16 (split16) or int8 (split8)"
+# The master buffers a step takes, for a message: "float32 (fp32 master), bfloat16 (split16) or int8 (split8)"
 # (C++: kMasterDtypeNames).
 MASTER_DTYPE_NAMES = dtype_names(f"{dtype_names([dtype])} ({holds if code == MASTER_F32 else mode})"
                                  for mode, (dtype, code, _, holds) in MASTER_ENCODINGS.items())
-# What each split master needs, for a message: "int16 (split16 low halves), which needs a bfloat16 param"
+# What each split master needs, for a message: "bfloat16 (split16 low halves), which needs a bfloat16 param"
 # (C++: master_description + master_param_dtypes; Triton: MASTER_NEEDS by buffer dtype).
 MASTER_NEEDS = {mode: f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(dtypes)} param"
                 for mode, dtypes in MASTER_PARAM_DTYPES.items()}
@@ -172,7 +181,7 @@ FLOAT_MOMENT_DTYPE_NAMES = _moment_dtype_names(floats_only=True)
 
 def master_mismatch(mode: str, param_dtype) -> str | None:
     """Why a master of ``mode`` cannot complete a param of ``param_dtype`` (``MASTER_PARAM_DTYPES``), or
-    None when it can: "int16 (split16 low halves), which needs a bfloat16 param", as the C++ op says it."""
+    None when it can: "bfloat16 (split16 low halves), which needs a bfloat16 param", as the C++ op says it."""
     if mode not in MASTER_PARAM_DTYPES or param_dtype in MASTER_PARAM_DTYPES[mode]:
         return None
     return MASTER_NEEDS[mode]
@@ -223,13 +232,39 @@ def compact_modes(param: Tensor, exp_avg: Tensor, master: Tensor | None, stochas
 def encoding_for(param: Tensor, master_weights: str, state_dtype) -> tuple[str, str]:
     """(master mode, moment mode) of a new state of ``param`` under the options (``master_weights``
     "fp32" / "split16" / "split8" / "none", ``state_dtype`` torch.float32 / torch.bfloat16 / "int8"):
-    a master for 16-bit params only; int8 moments for tensors of ``SMALL_TENSOR_NUMEL`` elements or more."""
+    a master for 16-bit params only; int8 moments for tensors of two or more dimensions and
+    ``SMALL_TENSOR_NUMEL`` elements or more ([note: blocks in rows])."""
     master = master_weights if param.dtype in (torch.float16, torch.bfloat16) else "none"
     if isinstance(state_dtype, str) and state_dtype == "int8":
-        moments = "int8" if param.numel() >= SMALL_TENSOR_NUMEL else "fp32"
+        moments = "int8" if param.dim() >= 2 and param.numel() >= SMALL_TENSOR_NUMEL else "fp32"
     else:
         moments = "bf16" if state_dtype is torch.bfloat16 else "fp32"
     return master, moments
+
+
+# [note: blocks in rows] Compact moments are blockwise: INT8_BLOCK consecutive elements (in the
+# param's memory order) share one scale, and blocks start at every row: a row is a slice along dim 0,
+# ``row_numel = numel / shape[0]`` elements, whose last block may be short. FSDP2 shards params by
+# whole rows (``Shard(0)``), so a shard holds whole blocks and the scales, ``[rows, blocks per row]``,
+# are sharded on dim 0 like the param: codes and scales are DTensors placed as the param is, and a
+# shard's blocks are the unsharded tensor's. A 1-D tensor (a bias, a norm's weight) has no rows that
+# a shard boundary respects and keeps fp32 moments (``encoding_for``). The functions below take the
+# tensor's full one-row form too (a flat vector: one row), which the specification's tests use.
+def block_rows(shape) -> tuple[int, int]:
+    """(rows, elements per row) of the block grid of a tensor of ``shape``: its dim-0 slices, or one
+    row for a 0-d or 1-d tensor."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return 1, math.prod(shape)
+    return shape[0], math.prod(shape[1:])
+
+
+def scales_shape(shape) -> tuple[int, ...]:
+    """The shape of the per-block scales of a tensor of ``shape``: ``[rows, ceil(row_numel / INT8_BLOCK)]``,
+    or ``[blocks]`` for a 0-d or 1-d tensor."""
+    rows, row_numel = block_rows(shape)
+    per_row = -(-row_numel // INT8_BLOCK)
+    return (per_row,) if len(tuple(shape)) < 2 else (rows, per_row)
 
 
 # The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
@@ -262,10 +297,13 @@ UPDATE_TENSOR = (
     Field("max_exp_avg_sq", "float*", "nullptr without AMSGrad"),
     Field("master", "float*", "nullptr without a master copy; else fp32 or the encoding master_kind says"),
     Field("step", "float*", "one fp32 element, advanced once the update has read it"),
-    Field("exp_avg_scales", "float*", "MOMENT_INT8: the fp32 scale of each INT8_BLOCK block; nullptr otherwise"),
+    Field("exp_avg_scales", "float*", "MOMENT_INT8: the fp32 scale of each block (scales_shape); nullptr otherwise"),
     Field("exp_avg_sq_scales", "float*", ""),
     Field("max_exp_avg_sq_scales", "float*", ""),
     Field("numel", "int64_t", ""),
+    Field("row_numel", "int64_t", "MOMENT_INT8: elements per row; blocks start at each row ([note: blocks in rows])"),
+    Field("element_base", "int64_t", "the index of element 0 in the whole tensor (a DTensor shard's offset, else 0): "
+          "it keys the random bits with the element's own offset"),
     Field("param_dtype", "int32_t", "a DTYPE_ code"),
     Field("grad_dtype", "int32_t", "a DTYPE_ code"),
     Field("group", "int32_t", "index into the group records"),

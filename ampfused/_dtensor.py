@@ -54,13 +54,56 @@ def local_tensors(ts: Sequence[Tensor]) -> list[Tensor]:
     return [t._local_tensor if isinstance(t, cls) else t for t in ts]  # see [note: _local_tensor]
 
 
-def like_param(view: Tensor, p: Tensor) -> Tensor:
-    """``view`` (local, optimizer-owned) as state of ``p``: a DTensor over ``view`` when ``p`` is one."""
+def like_param(view: Tensor, p: Tensor, shape: tuple | None = None) -> Tensor:
+    """``view`` (local, optimizer-owned) as state of ``p``: a DTensor over ``view`` when ``p`` is one,
+    placed as ``p`` is; of ``p``'s global shape and strides, or of the contiguous global ``shape``
+    (the int8 scales, ``[rows, blocks per row]``, sharded by rows as ``p``: [note: blocks in rows])."""
     if not is_dtensor(p):
         return view
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    if shape is None:
+        return DTensor.from_local(view, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(view, p.device_mesh, p.placements, shape=torch.Size(shape), stride=tuple(stride),
+                              run_check=False)
+
+
+def check_rows_sharded(p: Tensor, what: str) -> None:
+    """Refuse a DTensor param whose shards are not whole rows (a placement other than ``Shard(0)`` and
+    ``Replicate``): ``what`` needs each shard to be a run of the whole tensor's rows."""
+    for d, placement in enumerate(p.placements):
+        if placement.is_shard() and placement.dim != 0:
+            raise ValueError(
+                f"{what} needs parameters sharded by rows (Shard(0), as FSDP2's fully_shard does), but a parameter of "
+                f"shape {tuple(p.shape)} has placement {placement!r} on mesh dim {d}: use state_dtype=torch.bfloat16 "
+                "and stochastic_rounding=False for tensor-parallel parameters, or one optimizer per kind")
+
+
+def element_bases(params: Sequence[Tensor]) -> list[int] | None:
+    """The index in its whole tensor of each DTensor param's first local element (Shard(0): the
+    first local row's offset times the row length), or None when every one is 0 (plain tensors)."""
+    if not any(is_dtensor(p) for p in params):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    bases = []
+    for p in params:
+        if not is_dtensor(p) or p.dim() == 0:
+            bases.append(0)
+            continue
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        bases.append(sum(o * s for o, s in zip(offset, p.stride())))
+    return bases if any(bases) else None
+
+
+def local_scales(moment_scales: Sequence | None) -> list | None:
+    """The per-tensor scale tuples of a step (``None``, or ``None`` entries) with local shards."""
+    if moment_scales is None:
+        return None
+    return [None if s is None else tuple(local_tensors(s)) for s in moment_scales]
 
 
 def check_state(p: Tensor, value: Tensor, what: str) -> None:

@@ -154,7 +154,8 @@ class StepPlan:
         if self.batch is None or not all(map(operator.is_, params, self.local_params)):
             local = _dtensor.local_tensors
             self.batch = Batch(params, grads, local(self.exp_avgs), local(self.exp_avg_sqs), local(self.max_exp_avg_sqs),
-                               self.steps, local(self.masters), self.group_ids, groups, self.moment_scales)
+                               self.steps, local(self.masters), self.group_ids, groups,
+                               _dtensor.local_scales(self.moment_scales), element_base=_dtensor.element_bases(self.params))
             self.local_params = params
         self.batch.grads, self.batch.groups = grads, groups
         return self.batch, reduce_stats

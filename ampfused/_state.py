@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _compact, _dtensor
 from ._args import LOW_PRECISION
-from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for, scales_shape
 from ._layout import is_dense
 
 ALIGN_BYTES = 128
@@ -106,7 +106,7 @@ def moment_key(state: dict, name: str) -> str:
 
 
 def master_of(state: dict) -> Tensor | None:
-    """The master tensor of a state (fp32, int16 low bits or int8 residual), None without master."""
+    """The master tensor of a state (fp32, split16 low bits or int8 residual), None without master."""
     for _, _, key, _ in MASTER_ENCODINGS.values():
         if key in state:
             return state[key]
@@ -126,8 +126,17 @@ def is_tensor_key(key: str) -> bool:
 
 
 def state_shape(p: Tensor, key: str) -> tuple[int, ...]:
-    """The shape of ``p``'s state tensor under ``key``: ``p``'s, or one fp32 scale per int8 block."""
-    return (-(-p.numel() // _compact.BLOCK),) if key.endswith("_scales") else tuple(p.shape)
+    """The shape of ``p``'s state tensor under ``key``: ``p``'s, or one fp32 scale per int8 block
+    (``[rows, blocks per row]``: ``_contract.scales_shape``)."""
+    return scales_shape(p.shape) if key.endswith("_scales") else tuple(p.shape)
+
+
+def _state_view(view: Tensor, p: Tensor, key: str) -> Tensor:
+    """The flat ``view`` as ``p``'s state under ``key``: a DTensor placed like ``p`` for a DTensor param
+    (the scales too: sharded by rows as the param, [note: blocks in rows] in ``_contract.py``)."""
+    if key.endswith("_scales"):
+        return _dtensor.like_param(view, p, scales_shape(p.shape))
+    return _dtensor.like_param(view, p)
 
 
 def _same_memory(value, view: Tensor) -> bool:
@@ -213,7 +222,7 @@ class StateRoom:
                 if key != "step" and key in slots and p in slots[key]:
                     view = flat[key].views[slots[key][p]]
                     view.copy_(_dtensor.local(state[key]))
-                    state[key] = view if key.endswith("_scales") else _dtensor.like_param(view, p)
+                    state[key] = _state_view(view, p, key)
         self.flat, self.steps, self.index, self.slots, self.amsgrad = flat, steps, index, slots, amsgrad
         opt._plan = None  # the cached lists hold the old views
 
@@ -221,8 +230,7 @@ class StateRoom:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
         if p.dtype not in KERNEL_DTYPES:  # [note: wide params] a tensor of its own, in the param's dtype
             return torch.zeros_like(p, memory_format=torch.preserve_format)
-        view = self.flat[key].views[self.slots[key][p]]
-        return view if key.endswith("_scales") else _dtensor.like_param(view, p)
+        return _state_view(self.flat[key].views[self.slots[key][p]], p, key)
 
     def init(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
@@ -278,11 +286,8 @@ class StateRoom:
             what = f"opt.state[p][{key!r}]"
             if not isinstance(value, Tensor):
                 raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
-            if key.endswith("_scales"):  # (the local shard's blocks, a plain tensor for a DTensor param too)
-                shape = state_shape(_dtensor.local(p), key)
-            else:
-                _dtensor.check_state(p, value, what)
-                shape = state_shape(p, key)
+            _dtensor.check_state(p, value, what)
+            shape = state_shape(p, key)
             if value.shape != shape:
                 raise RuntimeError(
                     f"{what} has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: it takes "

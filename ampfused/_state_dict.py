@@ -19,7 +19,8 @@ import torch
 from torch.optim import Optimizer
 
 from . import _compact, _dtensor
-from ._contract import KERNEL_DTYPES
+from ._contract import INT8_BLOCK as BLOCK
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MASTER_LOW16_LEGACY_DTYPE
 from ._state import MOMENT_KEYS, is_tensor_key, master_of, state_shape
 
 # [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
@@ -67,7 +68,7 @@ def validate(param_groups: list, state_dict: dict, keys_of=None) -> Checked:
         raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
     param_of = dict(zip(chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in param_groups)))
     amsgrad_of = {p: s.get("amsgrad", False) for s in saved_groups for p in s["params"]}
-    saved_state = state_dict["state"]
+    saved_state = {key: _current_format(values) for key, values in state_dict["state"].items()}
     steps = {}
     for key, values in saved_state.items():
         if key not in param_of:
@@ -110,6 +111,16 @@ def _check_tensors(key, values: dict) -> None:
                              "the state dict is damaged or not an AdamW state dict")
 
 
+def _current_format(values):
+    """An entry with split16 low halves saved as int16 (before they travelled as bf16 bit patterns:
+    [note: split16 dtype] in ``_contract.py``) with the same bits viewed as today's dtype (a new dict;
+    the caller's is not modified). Anything else as it is."""
+    low = values.get("master_low16") if isinstance(values, dict) else None
+    if isinstance(low, torch.Tensor) and low.dtype == MASTER_LOW16_LEGACY_DTYPE and not _dtensor.is_dtensor(low):
+        return {**values, "master_low16": low.view(MASTER_ENCODINGS["split16"][0])}
+    return values
+
+
 def _describe(keys) -> str:
     return ", ".join(f"{k} ({str(d).replace('torch.', '')})" for k, d in sorted(keys.items()))
 
@@ -131,6 +142,12 @@ def _check_compact_entry(key, p, values: dict, keys_of) -> None:
             continue
         _dtensor.check_state(p, value, f"state {name!r} of parameter {key}")
         shape = state_shape(p, name)
+        if name.endswith("_scales") and value.dim() == 1 and len(shape) == 2 and value.numel() == -(-p.numel() // BLOCK):
+            raise ValueError(
+                f"state {name!r} of parameter {key} has the int8 scales of compact format 1 (blocks of the flattened "
+                f"tensor, {value.numel()} of them), but blocks now start at every row ({shape}: [note: blocks in rows]): "
+                "expand the state dict with ampfused.checkpoint.to_torch_state_dict(state_dict, params), which reads "
+                "both formats, and load that (every mode takes the fp32 form)")
         if tuple(value.shape) != shape:
             raise ValueError(f"state {name!r} of parameter {key} has shape {tuple(value.shape)}, expected {shape}: "
                              "the state dict belongs to another model or optimizer")

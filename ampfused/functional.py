@@ -101,7 +101,7 @@ def fused_amp_adamw(
     scaler and clipping) and a 0-d fp32 flag, both on the device; nothing is synchronized.
 
     Compact state (DESIGN §9, keys and encodings in ``ampfused._compact``) is told by the dtypes of
-    the lists: ``master_params[i]`` int16 (split16 low bits) or int8 (split8 residual); bf16
+    the lists: ``master_params[i]`` bfloat16 bits (split16 low halves) or int8 (split8 residual); bf16
     moments; int8/uint8 moment codes, whose fp32 block scales come in ``moment_scales[i] =
     (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` (``None`` entries for other
     tensors). ``rounding_seed`` (an int) rounds the bf16 writes without an exact master
@@ -134,10 +134,11 @@ def fused_amp_adamw(
     group_ids, groups = group_hypers(hypers)
     module = _backends.resolve(backend, params[0].device)[0]
     # [distributed] DTensor lists: local shards, and the all-reduce of the stats over their mesh
+    bases = _dtensor.element_bases(params)
     (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), reduce_stats = _dtensor.localize(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params)
     batch = Batch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, group_ids, groups,
-                  moment_scales)
+                  _dtensor.local_scales(moment_scales), element_base=bases)
     return run_step(module, batch, StepOptions(
         max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
         keep_scaled_grads=keep_scaled_grads, reduce_stats=reduce_stats, rounding_seed=rounding_seed))
@@ -315,9 +316,12 @@ def _shares(backend, batch: Batch, stochastic: bool) -> tuple[Batch, Batch | Non
             if keep_scales is not None and all(x is None for x in keep_scales):
                 keep_scales = None  # a backend without int8 moments never sees moment_scales
             full = range(len(batch.params)) if batch.index is None else batch.index
-            share = Batch(*map(take_keep, lists), take_keep(batch.group_ids), batch.groups, keep_scales, take_keep(full))
+            bases = batch.element_base
+            share = Batch(*map(take_keep, lists), take_keep(batch.group_ids), batch.groups, keep_scales, take_keep(full),
+                          None if bases is None else take_keep(bases))
             wide_part = Batch(*([_as_real(t) for t in take_wide(x)] for x in lists), take_wide(batch.group_ids),
-                              batch.groups, None if scales is None else take_wide(scales), take_wide(full))
+                              batch.groups, None if scales is None else take_wide(scales), take_wide(full),
+                              None if bases is None else take_wide(bases))
             entry = batch.parts[key] = (share, wide_part, take_keep, take_wide)
     if not entry:
         return batch, None

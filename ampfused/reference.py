@@ -71,8 +71,9 @@ def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tens
         scales = moment_scales[i] if moment_scales is not None else None
         if is_compact(params[i], exp_avgs[i], masters[i], scales, rounding_seed is not None):
             index = i if batch.index is None else batch.index[i]  # [note: rounding bits] in _contract
+            base = 0 if batch.element_base is None else batch.element_base[i]
             _compact_one(index, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
-                         scales, groups[group_ids[i]], factor, stats[SKIP], rounding_seed)
+                         scales, groups[group_ids[i]], factor, stats[SKIP], rounding_seed, base)
         else:
             _adamw_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], steps[i], masters[i],
                        groups[group_ids[i]], factor, keep)
@@ -86,7 +87,7 @@ def is_compact(param: Tensor, exp_avg: Tensor, master: Tensor | None, scales, st
 
 
 def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, scales, h, factor, skip,
-                 rounding_seed) -> None:
+                 rounding_seed, element_base) -> None:
     """One tensor on compact state: the lists' tensors under ``_compact``'s keys, then its step (in place)."""
     state = {"step": step}
     moments = (exp_avg, exp_avg_sq, max_exp_avg_sq) if h.amsgrad else (exp_avg, exp_avg_sq)
@@ -100,7 +101,7 @@ def _compact_one(i, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, mast
     _compact.compact_adamw_step_(param, grad, state, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                                  weight_decay=h.weight_decay, amsgrad=h.amsgrad, maximize=h.maximize, factor=factor,
                                  skip=skip, stochastic_rounding=rounding_seed is not None, rounding_seed=rounding_seed,
-                                 rounding_index=i)
+                                 rounding_index=i, element_base=element_base)
 
 
 def _adamw_one(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, master, h, factor, keep) -> None:

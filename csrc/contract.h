@@ -41,4 +41,27 @@ AMPFUSED_CONTRACT_HD bool is_compact(const UpdateTensor& t) {
          (t.stochastic != 0 && t.param_dtype == kBF16 && t.master == nullptr);
 }
 
+// [note: blocks in rows] (_contract.py) int8 blocks start at every row: a tensor whose rows are no
+// whole number of blocks (and that has more than one row) is chunked in rows padded to whole
+// blocks, its work elements, and its chunks step whole blocks one at a time (row_block_start).
+AMPFUSED_CONTRACT_HD bool ragged_rows(const UpdateTensor& t) {
+  return t.moment_kind == kMomentInt8 && t.row_numel % compact::kBlock != 0 && t.row_numel != t.numel;
+}
+
+AMPFUSED_CONTRACT_HD int64_t padded_row(const UpdateTensor& t) {
+  return (t.row_numel + compact::kBlock - 1) / compact::kBlock * compact::kBlock;
+}
+
+// The elements the chunk layout counts for t: its own, or those of its padded rows.
+AMPFUSED_CONTRACT_HD int64_t work_numel(const UpdateTensor& t) {
+  return ragged_rows(t) ? t.numel / t.row_numel * padded_row(t) : t.numel;
+}
+
+// The tensor's element at work position v (a block's first, or a chunk's end): itself, or past the padding.
+AMPFUSED_CONTRACT_HD int64_t element_at(const UpdateTensor& t, int64_t v) {
+  if (!ragged_rows(t)) return v;
+  const int64_t padded = padded_row(t), in_row = v % padded;
+  return v / padded * t.row_numel + (in_row < t.row_numel ? in_row : t.row_numel);
+}
+
 }  // namespace ampfused

@@ -38,7 +38,7 @@ inline int32_t lr_kind_of(c10::ScalarType type) {
 inline int32_t master_kind_of_storage(c10::ScalarType type) {
   switch (type) {
     case c10::ScalarType::Float: return kMasterF32;
-    case c10::ScalarType::Short: return kMasterSplit16;
+    case c10::ScalarType::BFloat16: return kMasterSplit16;
     case c10::ScalarType::Char: return kMasterSplit8;
     default: return -1;
   }
@@ -86,7 +86,7 @@ inline const char* master_param_dtypes(int32_t master_kind) {
 inline const char* master_description(int32_t master_kind) {
   switch (master_kind) {
     case kMasterF32: return "float32 (fp32 master)";
-    case kMasterSplit16: return "int16 (split16 low halves)";
+    case kMasterSplit16: return "bfloat16 (split16 low halves)";
     case kMasterSplit8: return "int8 (split8 residuals)";
     default: return "";
   }
@@ -94,7 +94,7 @@ inline const char* master_description(int32_t master_kind) {
 
 // the dtypes of DTYPE_CODE, MASTER_ENCODINGS and MOMENT_ENCODINGS (all, or the float ones), for messages
 constexpr const char* kKernelDtypeNames = "float32, float16 or bfloat16";
-constexpr const char* kMasterDtypeNames = "float32 (fp32 master), int16 (split16) or int8 (split8)";
+constexpr const char* kMasterDtypeNames = "float32 (fp32 master), bfloat16 (split16) or int8 (split8)";
 constexpr const char* kMomentDtypeNames = "float32, bfloat16 or int8 / uint8 codes";
 constexpr const char* kFloatMomentDtypeNames = "float32 or bfloat16";
 

@@ -60,10 +60,12 @@ struct UpdateTensor {
   float* max_exp_avg_sq;  // nullptr without AMSGrad
   float* master;  // nullptr without a master copy; else fp32 or the encoding master_kind says
   float* step;  // one fp32 element, advanced once the update has read it
-  float* exp_avg_scales;  // MOMENT_INT8: the fp32 scale of each INT8_BLOCK block; nullptr otherwise
+  float* exp_avg_scales;  // MOMENT_INT8: the fp32 scale of each block (scales_shape); nullptr otherwise
   float* exp_avg_sq_scales;
   float* max_exp_avg_sq_scales;
   int64_t numel;
+  int64_t row_numel;  // MOMENT_INT8: elements per row; blocks start at each row ([note: blocks in rows])
+  int64_t element_base;  // the index of element 0 in the whole tensor (a DTensor shard's offset, else 0): it keys the random bits with the element's own offset
   int32_t param_dtype;  // a DTYPE_ code
   int32_t grad_dtype;  // a DTYPE_ code
   int32_t group;  // index into the group records

@@ -38,7 +38,7 @@ TORCH_LIBRARY(ampfused, m) {
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor(f!)[] masters, int[] groups, float[] lrs, "
       "Tensor?[] lr_tensors, float[] beta1s, float[] beta2s, float[] epss, float[] weight_decays, int[] flags, "
       "Tensor stats, Tensor(h!)? scratch=None, Tensor? grad_scale=None, int? rounding_seed=None, "
-      "Tensor(i!)[]? moment_scales=None, int[]? rounding_index=None) -> ()");
+      "Tensor(i!)[]? moment_scales=None, int[]? rounding_index=None, int[]? element_base=None) -> ()");
   m.def(
       "scaler_update(Tensor found_inf, Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
       "Tensor(d!) skipped_steps, Tensor(e!) consecutive_skips, Tensor(f!) watch, float growth_factor, "

@@ -53,15 +53,23 @@ int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char*
 }
 
 // The fp32 block scales of tensor i's int8 codes (entry `slot` of its three in moment_scales).
+// Elements per row of a tensor's block grid (_contract.block_rows): a dim-0 slice, or the whole of a 0-d or 1-d tensor.
+int64_t row_numel_of(const at::Tensor& param) {
+  return param.dim() < 2 || param.size(0) == 0 ? param.numel() : param.numel() / param.size(0);
+}
+
 float* scales_of(const std::optional<at::TensorList>& moment_scales, size_t i, int slot, const at::Tensor& param,
                  const char* what) {
   TORCH_CHECK(moment_scales.has_value(), "ampfused: ", what, "[", i, "] holds int8 codes but moment_scales is None");
   const at::Tensor& s = (*moment_scales)[3 * i + slot];
-  const int64_t blocks = (param.numel() + compact::kBlock - 1) / compact::kBlock;
+  const int64_t row = row_numel_of(param);
+  const int64_t rows = param.dim() < 2 ? 1 : param.size(0);
+  const int64_t blocks = rows * ((row + compact::kBlock - 1) / compact::kBlock);
   TORCH_CHECK(s.defined() && s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == blocks &&
                   s.device() == param.device(),
               "ampfused: moment_scales[", 3 * i + slot, "] (the scales of ", what, "[", i, "]) must be a contiguous float32 ",
-              "tensor of ", blocks, " elements (one per ", compact::kBlock, ") on ", param.device());
+              "tensor of ", blocks, " elements (one per ", compact::kBlock, " of each of ", rows, " rows of ", row,
+              ") on ", param.device());
   return s.data_ptr<float>();
 }
 
@@ -117,7 +125,8 @@ UpdateCall collect_update(
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
     std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
-    at::OptionalIntArrayRef rounding_index, c10::DeviceType device_type, bool int8_moments) {
+    at::OptionalIntArrayRef rounding_index, at::OptionalIntArrayRef element_base, c10::DeviceType device_type,
+    bool int8_moments) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -159,6 +168,8 @@ UpdateCall collect_update(
   TORCH_CHECK(!moment_scales.has_value() || moment_scales->size() == 3 * n, "ampfused::adamw_update: moment_scales "
               "must hold three entries per tensor (exp_avg, exp_avg_sq and max_exp_avg_sq scales), got ",
               moment_scales.has_value() ? moment_scales->size() : 0, " for ", n, " tensors");
+  TORCH_CHECK(!element_base.has_value() || element_base->size() == n, "ampfused::adamw_update: element_base "
+              "must hold one entry per tensor, got ", element_base.has_value() ? element_base->size() : 0, " for ", n);
   TORCH_CHECK(!rounding_index.has_value() || rounding_index->size() == n, "ampfused::adamw_update: rounding_index "
               "must hold one entry per tensor, got ", rounding_index.has_value() ? rounding_index->size() : 0, " for ", n,
               " tensors");
@@ -182,7 +193,7 @@ UpdateCall collect_update(
                 ": a tensor's moments share one dtype");
     t.param = p.data_ptr();
     t.grad = grads[i].data_ptr();
-    // a bf16 moment / int16 or int8 master travels in the record's float*
+    // a bf16 moment / split16 or split8 master travels in the record's float*
     // fields; the kind says what they point at (contract.h)
     t.exp_avg = static_cast<float*>(exp_avgs[i].data_ptr());
     t.exp_avg_sq = static_cast<float*>(exp_avg_sqs[i].data_ptr());
@@ -217,6 +228,9 @@ UpdateCall collect_update(
     const int64_t index = rounding_index.has_value() ? (*rounding_index)[i] : static_cast<int64_t>(i);
     TORCH_CHECK(index >= 0 && index <= std::numeric_limits<int32_t>::max(), "ampfused: rounding_index[", i, "] = ", index, " is not a tensor index");
     t.index = static_cast<int32_t>(index);
+    t.element_base = element_base.has_value() ? (*element_base)[i] : 0;
+    TORCH_CHECK(t.element_base >= 0, "ampfused: element_base[", i, "] = ", t.element_base, " is not an element index");
+    t.row_numel = row_numel_of(p);
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.defined() && step.numel() == 1 && step.scalar_type() == at::kFloat && step.device() == device,
                 "ampfused: steps[", i, "] must be a one-element float32 tensor on ", device);

@@ -35,7 +35,7 @@ struct UpdateCall {
 // The checks and records of an adamw_update call whose tensors must be on `device_type`.
 // max_exp_avg_sqs / masters: an empty tensor where a param has none ([note: no optional mutable
 // lists] in ops.cpp). The dtypes of masters and moments give each record its compact kinds
-// (contract.h): float32 / int16 (split16, bf16 params) / int8 (split8) masters; float32 or
+// (contract.h): float32 / bf16 bits (split16, bf16 params) / int8 (split8) masters; float32 or
 // bfloat16 moments, the same for all of a tensor's moments, or with `int8_moments` int8/uint8
 // codes whose block scales come in moment_scales (three entries per tensor, see ops.cpp).
 UpdateCall collect_update(
@@ -45,7 +45,8 @@ UpdateCall collect_update(
     at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays, at::IntArrayRef flags,
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
     std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
-    at::OptionalIntArrayRef rounding_index, c10::DeviceType device_type, bool int8_moments);
+    at::OptionalIntArrayRef rounding_index, at::OptionalIntArrayRef element_base, c10::DeviceType device_type,
+    bool int8_moments);
 
 // adamw_update as registered for one device type (the schema is in ops.cpp): the arguments are
 // collected by the one path above, and `Run` gets the call when it has a tensor. kInt8Moments: `Run`
@@ -58,10 +59,12 @@ void adamw_update_op(at::TensorList params, at::TensorList grads, at::TensorList
                      at::ArrayRef<double> beta2s, at::ArrayRef<double> epss, at::ArrayRef<double> weight_decays,
                      at::IntArrayRef flags, const at::Tensor& stats, const std::optional<at::Tensor>& scratch,
                      const std::optional<at::Tensor>& grad_scale, std::optional<int64_t> rounding_seed,
-                     std::optional<at::TensorList> moment_scales, at::OptionalIntArrayRef rounding_index) {
+                     std::optional<at::TensorList> moment_scales, at::OptionalIntArrayRef rounding_index,
+                     at::OptionalIntArrayRef element_base) {
   const UpdateCall call = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups,
                                          lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats, scratch,
-                                         grad_scale, rounding_seed, moment_scales, rounding_index, kDevice, kInt8Moments);
+                                         grad_scale, rounding_seed, moment_scales, rounding_index, element_base, kDevice,
+                                         kInt8Moments);
   if (!call.tensors.empty()) Run(call);
 }
 

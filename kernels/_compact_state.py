@@ -15,10 +15,12 @@ stays 1-D with the contiguity hints of every other block: a 2-D tile carries non
 compiler then moves every tensor of the launch with scalar accesses.
 
 Stochastic rounding takes 16 bits per write from the one counter-based hash of (seed,
-tensor index, element index), [note: rounding bits] in ``ampfused/_contract.py``: a per-program key
-(``rounding_key``), then two words per element (``random_words``). Integer-only, so the interpreter
+tensor index, element index in the whole tensor), [note: rounding bits] in ``ampfused/_contract.py``:
+a per-program key (``rounding_key``), then two words per element (``random_words``). Integer-only, so the interpreter
 gives the GPU's bits, and the reference, CPU and CUDA backends draw the same ones.
 """
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
@@ -38,19 +40,40 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
+# A program's stochastic-rounding key: the keys of the high words of its first global element index
+# and of the next one, the local element from which the next applies, and the local tensor's first
+# element's index in the whole tensor (a DTensor shard's offset, ``U_ELEMENT_BASE``).
+RoundingKey = namedtuple("RoundingKey", ["key", "key_next", "wrap", "base"])
+
+
 @triton.jit
-def rounding_key(seed_lo, seed_hi, tensor, start):
-    """Per-program key of the random bits: (seed words, the tensor's index in the step's lists, high word of the element index)."""
+def _key(seed_lo, seed_hi, tensor, high):
     key = mix32(tensor.to(tl.uint32) + SR_KEY_SALT)
     key = mix32(key ^ seed_lo.to(tl.uint32))
     key = mix32(key ^ seed_hi.to(tl.uint32))
-    return mix32(key ^ (start >> 32).to(tl.uint32))
+    return mix32(key ^ high.to(tl.uint32))
 
 
 @triton.jit
-def random_words(offs, key, SECOND: tl.constexpr):
-    """(word0, word1) of 32 random bits for elements ``offs``; word1 only when SECOND (else 0)."""
-    y = mix32(offs.to(tl.uint32) ^ key)
+def rounding_key(seed_lo, seed_hi, tensor, start, base):
+    """The :data:`RoundingKey` of a program whose elements start at local element ``start``: from
+    (seed words, the tensor's index in the step's lists, high word of the global element index)."""
+    high = (base + start) >> 32
+    return RoundingKey(_key(seed_lo, seed_hi, tensor, high), _key(seed_lo, seed_hi, tensor, high + 1),
+                       ((high + 1) << 32) - base, base)
+
+
+@triton.jit
+def no_rounding_key(zero):
+    return RoundingKey(zero.to(tl.uint32), zero.to(tl.uint32), zero.to(tl.int64), zero.to(tl.int64))
+
+
+@triton.jit
+def random_words(offs, rk, SECOND: tl.constexpr):
+    """(word0, word1) of 32 random bits for local elements ``offs`` under the :data:`RoundingKey` ``rk``;
+    word1 only when SECOND (else 0)."""
+    key = tl.where(offs < rk.wrap, rk.key, rk.key_next)
+    y = mix32((offs + rk.base).to(tl.uint32) ^ key)
     word0 = mix32(y ^ SR_WORD0_SALT)
     word1 = word0 * 0
     if SECOND:
@@ -170,7 +193,7 @@ def _join8(bits, residual, param_dtype):
 
 @triton.jit
 def load_split_master(t, param_dtype, offs, mask, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
-    """fp32 master joined from the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
+    """fp32 master joined from the 16-bit param and its low half (split16) or int8 residual (split8)."""
     bits = tl.load(typed_ptr(t.param, tl.uint16, 8, ALIGNED) + offs, mask=mask).to(tl.uint32)
     if SPLIT16 and SPLIT8:
         if t.master_kind == MASTER_SPLIT16:
@@ -204,7 +227,7 @@ def _store_split8(t, param_dtype, offs, mask, w, ALIGNED: tl.constexpr):
 
 @triton.jit
 def store_split_master(t, param_dtype, offs, mask, w, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr):
-    """fp32 ``w`` split into the 16-bit param and its int16 low half (split16) or int8 residual (split8)."""
+    """fp32 ``w`` split into the 16-bit param and its low half (split16) or int8 residual (split8)."""
     if SPLIT16 and SPLIT8:
         if t.master_kind == MASTER_SPLIT16:
             _store_split16(t, offs, mask, w, ALIGNED)

@@ -51,13 +51,13 @@ SR_WORD1_SALT = tl.constexpr(0x1B873593)
 # the dtype tables of _contract
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LR_KIND_OF_DTYPE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-MASTER_KIND_OF_DTYPE = {torch.float32: 0, torch.int16: 1, torch.int8: 2}
+MASTER_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 MOMENT_KIND_OF_DTYPES = {(torch.float32, torch.float32): 0, (torch.bfloat16, torch.bfloat16): 1, (torch.int8, torch.uint8): 2}
 EXP_AVG_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 EXP_AVG_SQ_KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
-MASTER_PARAM_DTYPES = {torch.int16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
+MASTER_PARAM_DTYPES = {torch.bfloat16: (torch.bfloat16,), torch.int8: (torch.bfloat16, torch.float16)}
 MOMENT_DTYPE_NAMES = 'float32, bfloat16 or int8 / uint8 codes'
-MASTER_NEEDS = {torch.int16: 'int16 (split16 low halves), which needs a bfloat16 param', torch.int8: 'int8 (split8 residuals), which needs a bfloat16 or float16 param'}
+MASTER_NEEDS = {torch.bfloat16: 'bfloat16 (split16 low halves), which needs a bfloat16 param', torch.int8: 'int8 (split8 residuals), which needs a bfloat16 or float16 param'}
 
 # _contract.UPDATE_TENSOR
 U_PARAM = tl.constexpr(0)
@@ -71,14 +71,16 @@ U_EXP_AVG_SCALES = tl.constexpr(7)
 U_EXP_AVG_SQ_SCALES = tl.constexpr(8)
 U_MAX_EXP_AVG_SQ_SCALES = tl.constexpr(9)
 U_NUMEL = tl.constexpr(10)
-U_PARAM_DTYPE = tl.constexpr(11)
-U_GRAD_DTYPE = tl.constexpr(12)
-U_GROUP = tl.constexpr(13)
-U_ALIGNED = tl.constexpr(14)
-U_MASTER_KIND = tl.constexpr(15)
-U_MOMENT_KIND = tl.constexpr(16)
-U_INDEX = tl.constexpr(17)
-U_SIZE = tl.constexpr(18)
+U_ROW_NUMEL = tl.constexpr(11)
+U_ELEMENT_BASE = tl.constexpr(12)
+U_PARAM_DTYPE = tl.constexpr(13)
+U_GRAD_DTYPE = tl.constexpr(14)
+U_GROUP = tl.constexpr(15)
+U_ALIGNED = tl.constexpr(16)
+U_MASTER_KIND = tl.constexpr(17)
+U_MOMENT_KIND = tl.constexpr(18)
+U_INDEX = tl.constexpr(19)
+U_SIZE = tl.constexpr(20)
 
 # _contract.UPDATE_GROUP
 G_LR = tl.constexpr(0)

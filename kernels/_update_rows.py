@@ -19,33 +19,39 @@ from ._contract_generated import (
     MASTER_KIND_OF_DTYPE, MASTER_NEEDS, MASTER_PARAM_DTYPES, MOMENT_DTYPE_NAMES, MOMENT_INT8, MOMENT_KIND_OF_DTYPES,
     U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX,
     U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE,
-    U_SIZE, U_STEP)
+    U_SIZE, U_STEP, MASTER_SPLIT16, MASTER_SPLIT8, U_ELEMENT_BASE, U_ROW_NUMEL)
+
+# the stored dtype of each split master, which picks the launch's compact variant
+MASTER_SPLIT16_DTYPE, MASTER_SPLIT8_DTYPE = (
+    next(dtype for dtype, kind in MASTER_KIND_OF_DTYPE.items() if kind == code) for code in (MASTER_SPLIT16, MASTER_SPLIT8))
 
 
 def tables_of(lists, grads, group_of, group_keys, device, scratch):
     """(layout, row table, the grads the kernel reads, compact variant) of one update, every tensor
     checked; memoized in ``scratch`` when the kernel reads the grads as they are."""
-    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index = lists
+    params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index, element_base = lists
     if rounding_index is None:  # the random bits' key ([note: rounding bits]): the position in the step's full lists
         rounding_index = range(len(params))
+    if element_base is None:  # ... and the element's index in the whole tensor (a DTensor shard's from its offset)
+        element_base = (0,) * len(params)
     if moment_scales is None:
         moment_scales = [None] * len(params)
     elif len(moment_scales) != len(params):
         raise ValueError(f"moment_scales has {len(moment_scales)} entries for {len(params)} params")
     laid_out = [_tables.as_layout_of(g, p) for g, p in zip(grads, params)]
-    numels = tuple(p.numel() for p in params)
+    numels = tuple(work_numel(p, m) for p, m in zip(params, exp_avgs))
     layout = _tables.layout("update", numels, device, _runtime.CHUNK)
     scales = [(0, 0, 0) if s is None else tuple(0 if t is None else t.data_ptr() for t in s) for s in moment_scales]
     key = (group_of, tuple((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype) for p, g in zip(params, laid_out)),
            tuple((t.data_ptr(), t.dtype) for t in chain(exp_avgs, exp_avg_sqs, steps)),
            tuple((0, None) if t is None else (t.data_ptr(), t.dtype) for t in chain(max_exp_avg_sqs, masters)),
-           tuple(scales), tuple(rounding_index))
+           tuple(scales), tuple(rounding_index), tuple(element_base))
     rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
         params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
-        group_of, group_keys, device))
+        element_base, group_of, group_keys, device))
     state_dtypes = {t.dtype for t in exp_avgs}
     master_dtypes = {t.dtype for t in masters if t is not None}
-    variant = (torch.int16 in master_dtypes, torch.int8 in master_dtypes, torch.bfloat16 in state_dtypes,
+    variant = (MASTER_SPLIT16_DTYPE in master_dtypes, MASTER_SPLIT8_DTYPE in master_dtypes, torch.bfloat16 in state_dtypes,
                torch.int8 in state_dtypes,
                any(p.dtype == torch.bfloat16 and master is None for p, master in zip(params, masters)))
     if scratch is not None and all(map(operator.is_, laid_out, grads)):  # (a copy would move every step)
@@ -69,6 +75,21 @@ _FP32 = (torch.float32,)  # the step counts and the int8 block scales
 _SCALE_BLOCK = int(INT8_BLOCK)
 
 
+def row_numel(p) -> int:
+    """Elements per row of ``p``'s block grid (``ampfused._contract.block_rows``): a dim-0 slice, or all of a 0-d or 1-d tensor."""
+    return p.numel() if p.dim() < 2 or p.shape[0] == 0 else p.numel() // p.shape[0]
+
+
+def work_numel(p, exp_avg) -> int:
+    """The elements the chunk layout counts for ``p``: its own, or for int8 moments whose rows are no
+    whole number of blocks those of its rows padded to whole blocks ([note: blocks in rows]: the
+    kernel steps such a tensor one block at a time and maps the padded count back)."""
+    row = row_numel(p)
+    if exp_avg.dtype != torch.int8 or row % _SCALE_BLOCK == 0 or row == p.numel():
+        return p.numel()
+    return p.numel() // row * (-(-row // _SCALE_BLOCK) * _SCALE_BLOCK)
+
+
 def _compact_columns(i, p, m, v, vmax, master, scales, device):
     """(master kind, state kind, three scale addresses) of tensor ``i``, its compact state checked."""
     kind = _STATE_KINDS.get((m.dtype, v.dtype))
@@ -83,13 +104,14 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
         if scales is None or len(scales) != 3 or (scales[2] is None) != (vmax is None):
             raise ValueError(f"params[{i}] has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
                              "max_exp_avg_sq_scales or None when there is no max_exp_avg_sq)")
-        blocks = -(-p.numel() // _SCALE_BLOCK)
+        row = row_numel(p)
+        blocks = p.numel() // max(row, 1) * -(-row // _SCALE_BLOCK)  # [note: blocks in rows]
         for j, t in enumerate(scales):
             if t is not None:
                 _tables.check(t, f"moment_scales[{i}][{j}]", device, _FP32)
                 if t.numel() != blocks:
-                    raise ValueError(f"moment_scales[{i}][{j}] has {t.numel()} elements; {p.numel()} elements make "
-                                     f"{blocks} blocks of {_SCALE_BLOCK}")
+                    raise ValueError(f"moment_scales[{i}][{j}] has {t.numel()} elements; rows of {row} elements make "
+                                     f"{blocks} blocks of at most {_SCALE_BLOCK}")
                 addrs[j] = t.data_ptr()
     elif scales is not None:
         raise ValueError(f"moment_scales[{i}] is given, but the moments of params[{i}] are not int8 codes")
@@ -97,7 +119,7 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
 
 
 def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
-                group_of, group_keys, device):
+                element_base, group_of, group_keys, device):
     low = DTYPE_CODE
     rows = []
     for i, p in enumerate(params):
@@ -129,6 +151,7 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
             row[column] = addr
         row[U_NUMEL], row[U_PARAM_DTYPE], row[U_GRAD_DTYPE] = p.numel(), low[p.dtype], low[g.dtype]
         row[U_GROUP], row[U_ALIGNED], row[U_INDEX] = group_of[i], aligned, rounding_index[i]
+        row[U_ROW_NUMEL], row[U_ELEMENT_BASE] = row_numel(p), element_base[i]
         row[U_MASTER_KIND], row[U_MOMENT_KIND], scale_addrs = compact
         row[U_EXP_AVG_SCALES], row[U_EXP_AVG_SQ_SCALES], row[U_MAX_EXP_AVG_SQ_SCALES] = scale_addrs
         rows.append(row)

@@ -33,7 +33,7 @@ from . import _compact_state as CS
 from ._contract_generated import (
     DTYPE_BF16, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR, G_LR_KIND,
     G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
-    LR_KIND_OF_DTYPE, MASTER_F32, ROUNDING_SEED_BITS, SKIP, U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ,
+    LR_KIND_OF_DTYPE, MASTER_F32, MOMENT_INT8, ROUNDING_SEED_BITS, SKIP, U_ELEMENT_BASE, U_ROW_NUMEL, U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ,
     U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ,
     U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32, typed_ptr
@@ -121,17 +121,18 @@ def _load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.con
 
 
 @triton.jit
-def _store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
+def _store_state(t, param_dtype, offs, mask, first, end, rk, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
                  SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
                  SR: tl.constexpr):
     """The update's writes: moments in their encoding, the param with its master (split or fp32),
     or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
-    ``key`` is the program's random key ([note: rounding bits] in ampfused/_contract.py)."""
+    ``rk`` is the program's random key (``_compact_state.RoundingKey``; [note: rounding bits] in
+    ampfused/_contract.py)."""
     # the param first: its random word (word1, shared with max_exp_avg_sq) dies before the moments'
     # word0 is made, so a block holds one word at a time
     word1 = 0
     if SR:
-        _, word1 = CS.random_words(offs, key, True)
+        _, word1 = CS.random_words(offs, rk, True)
     if SPLIT16 or SPLIT8:
         CS.store_split_master(t, param_dtype, offs, mask, w, ALIGNED, SPLIT16, SPLIT8)
     elif t.master != 0:
@@ -150,7 +151,7 @@ def _store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, 
                             v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
         word0 = 0
         if SR:
-            word0, _ = CS.random_words(offs, key, False)
+            word0, _ = CS.random_words(offs, rk, False)
         CS.store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED,
                         BF16_STATE, INT8_STATE, True, SR)
         CS.store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
@@ -163,7 +164,7 @@ def _store_state(t, param_dtype, offs, mask, first, end, key, amsgrad, w, m, v, 
 
 
 @triton.jit
-def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.constexpr,
+def _adamw_block(offs, mask, first, end, t, s, rk, param_dtype, ALIGNED: tl.constexpr,
                  EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
     """One block of tensor ``t`` (a Row) with scalars ``s``, from element ``first`` to at most
@@ -206,12 +207,12 @@ def _adamw_block(offs, mask, first, end, t, s, key, param_dtype, ALIGNED: tl.con
         root = tl.sqrt_rn(v)
     denom = tl.div_rn(root, s.bias_correction2_sqrt) + s.eps
     w = w + tl.div_rn(m * s.neg_step_size, denom)
-    _store_state(t, param_dtype, offs, mask, first, end, key, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
+    _store_state(t, param_dtype, offs, mask, first, end, rk, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
                    SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
 @triton.jit
-def _chunk_update(start, end, t, s, key, param_dtype, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+def _chunk_update(start, end, t, s, rk, param_dtype, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
                   EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
                   BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
     """Elements [start, end) of tensor ``t``: full blocks unmasked (chunks start on BLOCK multiples), then the tail."""
@@ -219,27 +220,45 @@ def _chunk_update(start, end, t, s, key, param_dtype, BLOCK: tl.constexpr, ALIGN
     first = start
     while first < full_end:
         offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        _adamw_block(offs, None, first, end, t, s, key, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
+        _adamw_block(offs, None, first, end, t, s, rk, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
                      BF16_STATE, INT8_STATE, SR)
         first += BLOCK
     if full_end < end:
         offs = full_end + tl.arange(0, BLOCK)
-        _adamw_block(offs, offs < end, full_end, end, t, s, key, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+        _adamw_block(offs, offs < end, full_end, end, t, s, rk, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16,
                      SPLIT8, BF16_STATE, INT8_STATE, SR)
 
 
 @triton.jit
-def _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
+def _program_update(start, end, t, s, rk, aligned, param_dtype, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
                     WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
                     INT8_STATE: tl.constexpr, SR: tl.constexpr):
     """The program's chunk, with 16-byte alignment hints when its tensor is aligned: a per-tensor
     fact, uniform per program (see [note: alignment per tensor])."""
     if aligned:
-        _chunk_update(start, end, t, s, key, param_dtype, BLOCK, True, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
+        _chunk_update(start, end, t, s, rk, param_dtype, BLOCK, True, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
                       BF16_STATE, INT8_STATE, SR)
     else:
-        _chunk_update(start, end, t, s, key, param_dtype, UNALIGNED_BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+        _chunk_update(start, end, t, s, rk, param_dtype, UNALIGNED_BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16,
                       SPLIT8, BF16_STATE, INT8_STATE, SR)
+
+
+@triton.jit
+def _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                   SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, SR: tl.constexpr):
+    """int8 moments whose rows are no whole number of blocks ([note: blocks in rows]): ``[start, end)``
+    counts elements of rows padded to whole blocks; each block is one INT8_BLOCK tile at its row's
+    elements, masked past the row's end, whose scale is the block's index (``first`` of the tile in
+    the padded count: the scale index ``_compact_state`` takes)."""
+    per_row = (row_numel + INT8_BLOCK - 1) // INT8_BLOCK
+    lanes = tl.arange(0, INT8_BLOCK)
+    block = start // INT8_BLOCK
+    while block < end // INT8_BLOCK:
+        in_row = block % per_row * INT8_BLOCK
+        offs = block // per_row * row_numel + in_row + lanes
+        _adamw_block(offs, lanes < row_numel - in_row, block * INT8_BLOCK, (block + 1) * INT8_BLOCK, t, s, rk,
+                     param_dtype, False, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8, BF16_STATE, True, SR)
+        block += 1
 
 
 @triton.jit
@@ -315,25 +334,47 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
                 tl.load(row + U_EXP_AVG_SQ), tl.load(row + U_MAX_EXP_AVG_SQ), tl.load(row + U_MASTER),
                 tl.load(row + U_MASTER_KIND), tl.load(row + U_MOMENT_KIND), tl.load(row + U_EXP_AVG_SCALES),
                 tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES))
-        end = tl.minimum(start + CHUNK, tl.load(row + U_NUMEL))
-        key = pid.to(tl.uint32) * 0
-        if SR:  # [note: rounding bits] in ampfused/_contract.py: keyed by the tensor's position in the step
-            key = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), start)
+        numel = tl.load(row + U_NUMEL)
+        row_numel = tl.load(row + U_ROW_NUMEL)
+        # [note: blocks in rows] int8 blocks start at every row: rows that are no whole number of
+        # blocks are chunked in rows padded to whole blocks (see _update_rows.work_numel) and stepped
+        # one block at a time (_ragged_update); everything else in the tensor's own elements
+        ragged = INT8_STATE and t.moment_kind == MOMENT_INT8 and row_numel % INT8_BLOCK != 0 and row_numel != numel
+        padded_row = (row_numel + INT8_BLOCK - 1) // INT8_BLOCK * INT8_BLOCK
+        end = tl.minimum(start + CHUNK, numel)
+        first = start
+        if ragged:
+            end = tl.minimum(start + CHUNK, numel // row_numel * padded_row)
+            first = start // padded_row * row_numel + start % padded_row
+        rk = CS.no_rounding_key(start * 0)
+        if SR:  # [note: rounding bits] in ampfused/_contract.py: the tensor's position in the step, the element's in the tensor
+            rk = CS.rounding_key(seed_lo, seed_hi, tl.load(row + U_INDEX), first, tl.load(row + U_ELEMENT_BASE))
         aligned = tl.load(row + U_ALIGNED) != 0
         param_dtype = tl.load(row + U_PARAM_DTYPE)
         # [note: split masters per program] a tensor's master is split or not, and its param fp16
         # or bf16, for the whole program: deciding both here (the dtype code becomes a constexpr)
         # keeps those branches, and the registers they hold, out of the block loop. The split
         # loops are compiled only for launches with split masters.
-        if (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
+        if INT8_STATE and ragged:
+            if (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
+                if SPLIT8 and param_dtype == DTYPE_F16:
+                    _ragged_update(start, end, row_numel, t, s, rk, DTYPE_F16, EMULATE_FMA, WRITE_GRAD, False, SPLIT8,
+                                   BF16_STATE, SR)
+                else:
+                    _ragged_update(start, end, row_numel, t, s, rk, DTYPE_BF16, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
+                                   BF16_STATE, SR)
+            else:
+                _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA, WRITE_GRAD, False, False,
+                               BF16_STATE, SR)
+        elif (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
             if SPLIT8 and param_dtype == DTYPE_F16:  # fp16: split8 only
-                _program_update(start, end, t, s, key, aligned, DTYPE_F16, BLOCK, EMULATE_FMA, WRITE_GRAD, False,
+                _program_update(start, end, t, s, rk, aligned, DTYPE_F16, BLOCK, EMULATE_FMA, WRITE_GRAD, False,
                                 SPLIT8, BF16_STATE, INT8_STATE, SR)
             else:
-                _program_update(start, end, t, s, key, aligned, DTYPE_BF16, BLOCK, EMULATE_FMA, WRITE_GRAD, SPLIT16,
+                _program_update(start, end, t, s, rk, aligned, DTYPE_BF16, BLOCK, EMULATE_FMA, WRITE_GRAD, SPLIT16,
                                 SPLIT8, BF16_STATE, INT8_STATE, SR)
         else:
-            _program_update(start, end, t, s, key, aligned, param_dtype, BLOCK, EMULATE_FMA, WRITE_GRAD, False, False,
+            _program_update(start, end, t, s, rk, aligned, param_dtype, BLOCK, EMULATE_FMA, WRITE_GRAD, False, False,
                             BF16_STATE, INT8_STATE, SR)
 
         # Steps advance last: every program of a tensor reads its step counter above, so no
@@ -375,7 +416,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     imports nothing of ampfused).
 
     Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
-    told by the dtypes: int16 / int8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
+    told by the dtypes (MASTER_KIND_OF_DTYPE): split16 / split8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
     bf16 moments, or int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes whose block scales
     are ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
     ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
@@ -389,7 +430,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     device = params[0].device
     group_of, group_keys, slot_lrs, keep_alive = _group_rows(batch.group_ids, batch.groups, batch.lr_kinds, device)
     lists = (params, batch.exp_avgs, batch.exp_avg_sqs, batch.max_exp_avg_sqs, batch.steps, batch.masters,
-             batch.moment_scales, batch.index)
+             batch.moment_scales, batch.index, batch.element_base)
     memo = scratch.memo.get(("update", device)) if scratch is not None else None
     rows = None
     if memo is not None and memo[2] == group_of and all(map(operator.is_, memo[0], lists)):

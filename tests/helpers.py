@@ -190,9 +190,13 @@ def shifted(t, offset):
 
 def compact_entry(n, param_dtype, master_weights, state_dtype, device, amsgrad=False, seed=0, offset=0):
     """(param, grad, compact state) on ``device`` with non-trivial moments and master; ``offset`` > 0
-    makes every tensor a view that starts ``offset`` elements into its storage (no vector access)."""
+    makes every tensor a view that starts ``offset`` elements into its storage (no vector access).
+    ``n``: a shape, or a number of elements: int8 moments then take a ``[1, n]`` param, one row, whose
+    blocks are those of the flat vector (1-D params keep fp32 moments: [note: blocks in rows])."""
     from ampfused import _compact
 
+    if isinstance(n, int):
+        n = (1, n) if state_dtype == "int8" else (n,)
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)
     fp32_state = {"step": torch.tensor(float(seed % 5 + 2)), "exp_avg": torch.randn(n, generator=gen) * 0.1,
@@ -431,7 +435,8 @@ def constant_entry(n, state_dtype, device, amsgrad=True):
 # ------------------------------------------------------------------ compact modes through the optimizer (tests/compact)
 
 
-OPT_SIZES = (4096 + 300, 1000, 17)  # one tensor with int8 moments (>= SMALL_TENSOR_NUMEL), two small ones
+# one tensor with int8 moments (2-D, >= SMALL_TENSOR_NUMEL; rows of 100: no whole number of blocks), two small ones
+OPT_SIZES = ((43, 100), (1000,), (17,))
 
 
 OPT_SCALE = 1024.0  # a power of two: unscaling is exact on every backend
@@ -471,7 +476,7 @@ def feed(opt, params, step, bad=False):
     for i, p in enumerate(params):
         grad = torch.randn(p.shape, generator=g) * OPT_SCALE
         if bad and i == 0:
-            grad[123] = float("inf")
+            grad.view(-1)[123] = float("inf")
         p.grad = grad.to(p.dtype).to(DEVICE)
     opt.grad_scale = torch.tensor(OPT_SCALE, device=DEVICE)  # torch's scaler protocol (_step_supports_amp_scaling)
 

@@ -31,23 +31,26 @@ constexpr int kNone = -1;
 
 // What every element loop reads from its range, gathered once: the step's
 // scalars, the gradient factor, the moment buffers (cast by the caller's moment kind) and the
-// stochastic-rounding keys of elements at + j (compact_random.h).
+// stochastic-rounding keys of elements at + j, counted from the whole tensor's first element
+// (element_base + at + j; compact_random.h): the range's key, and the next one from `wrap` on.
 struct Setup {
   AdamWScalars s;
   float factor;
   void* m;
   void* v;
   void* vmax;  // nullptr without AMSGrad
-  uint32_t k0, key;
+  uint32_t k0, key, key_next;
+  int64_t wrap;
 
   Setup(const UpdateRange& r, int64_t at)
       : s(*r.scalars), factor(r.factor), m(r.exp_avg), v(r.exp_avg_sq), vmax(r.max_exp_avg_sq),
-        k0(static_cast<uint32_t>(at)), key(r.rounding_key) {}
+        k0(static_cast<uint32_t>(r.element_base + at)), key(r.rounding_key), key_next(r.rounding_key_next),
+        wrap(r.rounding_wrap - (at - r.begin)) {}
 
   // random word 0 (exp_avg low half, exp_avg_sq high half) or 1 (max_exp_avg_sq low half, the
   // param high half) of element at + j
   AMPFUSED_HD uint32_t bits(int64_t j, int word) const {
-    return random_word(element_hash(k0 + static_cast<uint32_t>(j), key), word);
+    return random_word(element_hash(k0 + static_cast<uint32_t>(j), j < wrap ? key : key_next), word);
   }
 };
 
@@ -149,8 +152,8 @@ void step_moments(float* __restrict w, const float* __restrict g, const UpdateRa
 
 // ------------------------------------------------------------------ phase 2 with int8 moments
 
-// [note: int8 by blocks] A range starts on a block (kRange and kConvert are multiples of
-// compact::kBlock), so each 256-element block is stepped whole: decode its codes with the old
+// [note: int8 by blocks] A range and each walk through it start and end on block boundaries
+// (ops_cpu.cpp range_end, whole_blocks; blocks within rows), so each block is stepped whole: decode its codes with the old
 // scale, the math (the new fp32 moments into L1 buffers, with their running maxima), then the
 // new scales (max |m|, max sqrt(v): the specification's amax, NaN included, from the bit patterns
 // of non-negative floats, whose order is their value's) and the codes of the new moments. sqrt(v)
@@ -214,18 +217,37 @@ void encode_block(C* __restrict out, const float* __restrict x, int64_t len, flo
   for (int64_t j = 0; j < len; ++j) out[j] = CODE(x[j] / scale);
 }
 
+// The elements from `at` (a block boundary) to the end of the last whole block within `limit` of
+// them: where a walk through int8 moments may stop ([note: blocks in rows] in _contract.py).
+inline int64_t whole_blocks(const UpdateRange& r, int64_t at, int64_t limit) {
+  const int64_t row = r.row_numel;
+  if (!ragged_rows(r)) return r.end - at < limit ? r.end - at : limit;
+  int64_t n = 0;
+  for (;;) {
+    const int64_t rest = row - (at + n) % row;
+    const int64_t len = rest < compact::kBlock ? rest : compact::kBlock;
+    if (at + n >= r.end || n + len > limit) return n;
+    n += len;
+  }
+}
+
 template <bool AMSGRAD>
 void step_int8(float* __restrict w, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
   const Setup st(r, at);
   int8_t* __restrict mc = static_cast<int8_t*>(st.m) + at;
   uint8_t* __restrict vc = static_cast<uint8_t*>(st.v) + at;
   uint8_t* __restrict xc = AMSGRAD ? static_cast<uint8_t*>(st.vmax) + at : nullptr;
-  float* __restrict m_scale = r.exp_avg_scales + at / compact::kBlock;
-  float* __restrict v_scale = r.exp_avg_sq_scales + at / compact::kBlock;
-  float* __restrict x_scale = AMSGRAD ? r.max_exp_avg_sq_scales + at / compact::kBlock : nullptr;
+  float* __restrict m_scale = r.exp_avg_scales;
+  float* __restrict v_scale = r.exp_avg_sq_scales;
+  float* __restrict x_scale = AMSGRAD ? r.max_exp_avg_sq_scales : nullptr;
   float mb[compact::kBlock], vb[compact::kBlock], xb[compact::kBlock];
-  for (int64_t b = 0, blk = 0; b < n; b += compact::kBlock, ++blk) {
-    const int64_t len = n - b < compact::kBlock ? n - b : compact::kBlock;
+  // blocks within rows ([note: blocks in rows]): block `blk` of row e / row_numel, cut short at the row's end
+  const int64_t row = r.row_numel, per_row = (row + compact::kBlock - 1) / compact::kBlock;
+  for (int64_t b = 0, len = 0; b < n; b += len) {
+    const int64_t e = at + b, in_row = e % row;
+    len = row - in_row < compact::kBlock ? row - in_row : compact::kBlock;
+    len = n - b < len ? n - b : len;
+    const int64_t blk = e / row * per_row + in_row / compact::kBlock;
     const float ms = m_scale[blk], vs = v_scale[blk], xs = AMSGRAD ? x_scale[blk] : 0.f;
     uint32_t m_max = 0, v_max = 0, x_max = 0;
     for (int64_t j = 0; j < len; ++j) {
@@ -413,8 +435,9 @@ void compact_update(const UpdateRange& r) {
   }
   if (load == nullptr || store == nullptr) return;  // unreachable: collect_update checked the pairs
   float wbuf[kConvert], gbuf[kConvert], tmp[kConvert];
-  for (int64_t at = r.begin; at < r.end; at += kConvert) {
-    const int64_t n = r.end - at < kConvert ? r.end - at : kConvert;
+  const bool int8 = r.moment_kind == kMomentInt8;
+  for (int64_t at = r.begin, n = 0; at < r.end; at += n) {
+    n = int8 ? whole_blocks(r, at, kConvert) : (r.end - at < kConvert ? r.end - at : kConvert);
     const float* g;
     switch (r.grad_dtype) {
       case kF32: grad_block<float>(r, at, n, gbuf, g); break;

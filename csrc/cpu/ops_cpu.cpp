@@ -171,6 +171,15 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
                check_nonfinite);
 }
 
+// The end of the update range that starts at element `b` of `t` (a block boundary): kRange elements
+// on, and for int8 moments on a block boundary too ([note: blocks in rows] in _contract.py: a row's
+// last block may be short, so a row that is no whole number of blocks counts kRange in its padded length).
+int64_t range_end(const UpdateTensor& t, int64_t b) {
+  if (!ragged_rows(t)) return std::min(t.numel, b + kRange);
+  const int64_t v = b / t.row_numel * padded_row(t) + b % t.row_numel + kRange;  // b's work position, kRange on
+  return std::min(t.numel, element_at(t, v));
+}
+
 void adamw_update_cpu(const UpdateCall& call) {
   const float unscale = inv_scale_of(call.grad_scale);
   const float* step_stats = call.stats.data_ptr<float>();
@@ -191,13 +200,18 @@ void adamw_update_cpu(const UpdateCall& call) {
     scalars[i] = adamw_scalars(lr[t.group], g.beta1, g.beta2, g.eps, g.weight_decay, *t.step + 1.0f);
     // -(g * f) == g * (-f) exactly: maximize folds into the factor
     const float f = (g.flags & kFlagMaximize) != 0 ? -base_factor : base_factor;
-    for (int64_t b = 0; b < t.numel; b += kRange) {
-      ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b,
-                                   std::min(t.numel, b + kRange)});
-      if (t.stochastic != 0) {  // ranges never straddle a multiple of 2^32 elements: one high word each
-        ranges.back().rounding_key = compact::rounding_key(static_cast<uint64_t>(*call.rounding_seed), t.index,
-                                                           static_cast<uint32_t>(b >> 32));
+    for (int64_t b = 0; b < t.numel;) {
+      const int64_t e = range_end(t, b);
+      ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b, e});
+      if (t.stochastic != 0) {  // the keys of the high word of the range's first global index and the next one
+        const uint64_t first = static_cast<uint64_t>(t.element_base + b);
+        const uint64_t seed = static_cast<uint64_t>(*call.rounding_seed);
+        UpdateRange& r = ranges.back();
+        r.rounding_key = compact::rounding_key(seed, t.index, static_cast<uint32_t>(first >> 32));
+        r.rounding_key_next = compact::rounding_key(seed, t.index, static_cast<uint32_t>((first >> 32) + 1));
+        r.rounding_wrap = static_cast<int64_t>((((first >> 32) + 1) << 32) - first);
       }
+      b = e;
     }
   }
   const IsaKernels& k = kernels();

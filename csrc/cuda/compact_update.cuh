@@ -260,7 +260,9 @@ struct Part {
   float w[4], g[4], m[4], v[4], vmax[4];
 };
 
-// Elements [begin, end) of compact tensor t (begin a multiple of kGroup), by every thread of the
+// Work positions [begin, end) of compact tensor t (begin a multiple of kGroup; work_numel in
+// contract.h: its elements, or for int8 moments in ragged rows those of rows padded to whole
+// blocks, each group then one block at its row's elements, cut at the row's end), by every thread of the
 // block; write_grad: the unscaled gradient g * unscale goes back into the grad (DESIGN §2.7).
 // seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that serves
 // int8 moments (ops_cuda.cpp launches it for those tensors alone).
@@ -280,22 +282,30 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
                                              float factor, bool write_grad, float unscale, uint64_t seed) {
   const int lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
-  const bool vec = t.aligned != 0;
+  const bool vec = t.aligned != 0 && !ragged_rows(t);  // a ragged row's blocks start anywhere
   const bool amsgrad = t.max_exp_avg_sq != nullptr;
   const bool int8 = INT8 && t.moment_kind == kMomentInt8;
   // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
   const bool sr_moments = t.stochastic != 0 && t.moment_kind == kMomentBF16;
   const bool sr_param = t.stochastic != 0 && t.master == nullptr && t.param_dtype == kBF16;
-  // a chunk never straddles a multiple of 2^32 elements: one high word (compact_random.h)
-  const uint32_t key = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>(begin >> 32)) : 0u;
+  // the random bits of element e: the key of the high word of its index in the whole tensor,
+  // element_base + e (compact_random.h): the chunk's first one, or the next from `wrap` on
+  const uint64_t first = static_cast<uint64_t>(t.element_base + element_at(t, begin));
+  const uint32_t key = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>(first >> 32)) : 0u;
+  const uint32_t key_next = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>((first >> 32) + 1)) : 0u;
+  const int64_t wrap = static_cast<int64_t>((((first >> 32) + 1) << 32) - static_cast<uint64_t>(t.element_base));
+  const bool ragged = ragged_rows(t);
   for (int64_t base = begin + static_cast<int64_t>(kGroup) * (threadIdx.x / kWarp); base < end;
        base += static_cast<int64_t>(kGroup) * warps) {  // uniform over the warp: whole warps take a group
+    // the group's elements: [at, stop) of the tensor (the work position itself but in ragged rows)
+    const int64_t at0 = element_at(t, base);
+    const int64_t stop = ragged ? element_at(t, base + kGroup) : end;  // (the next block's first element)
     Lane l;
-    l.at[0] = base + 4 * lane;
-    l.at[1] = base + kHalfGroup + 4 * lane;
+    l.at[0] = at0 + 4 * lane;
+    l.at[1] = at0 + kHalfGroup + 4 * lane;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t left = end - l.at[h];
+      const int64_t left = stop - l.at[h];
       l.n[h] = left <= 0 ? 0 : (left >= 4 ? 4 : static_cast<int>(left));
     }
     const int64_t group = base / kGroup;
@@ -340,7 +350,8 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
       uint32_t rand_a[4] = {0u, 0u, 0u, 0u}, rand_b[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t hash = compact::element_hash(static_cast<uint32_t>(at + j), key);
+        const uint32_t hash = compact::element_hash(static_cast<uint32_t>(t.element_base + at + j),
+                                                    at + j < wrap ? key : key_next);
         if (sr_moments) rand_a[j] = compact::random_word(hash, 0);
         if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_word(hash, 1);
       }

@@ -270,7 +270,7 @@ void adamw_update_cuda(const UpdateCall& call) {
     for (const UpdateTensor& t : call.tensors) {
       if (variant_of(t) != v) continue;
       ordered.push_back(t);
-      numels[v].push_back(t.numel);
+      numels[v].push_back(work_numel(t));  // [note: blocks in rows]
       ++counts[v];
     }
   }
@@ -290,6 +290,8 @@ void adamw_update_cuda(const UpdateCall& call) {
     // the encodings: the same pointers may hold another kind after a state change
     key.push_back((t.master_kind << 8) | (t.moment_kind << 4) | t.stochastic);
     key.push_back(t.index);  // the random bits' key: the same pointers may come in another order
+    key.push_back(t.element_base);
+    key.push_back(t.row_numel);
   }
   std::shared_ptr<Table> table = cached_table(key, [&] {
     return upload(key, ordered.data(), static_cast<int64_t>(ordered.size() * sizeof(UpdateTensor)), device);

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kBlockSize, VARIANT == kUpdatePlain ? 2 : 1)
     __syncthreads();
     const AdamWScalars s = chunk_scalars;
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
-    const int64_t end = min(chunk.start + kChunkSize, t.numel);
+    const int64_t end = min(chunk.start + kChunkSize, COMPACT ? work_numel(t) : t.numel);
     if (COMPACT && is_compact(t)) {  // (every tensor of a compact launch is)
       compact_pass::update_chunk<VARIANT == kUpdateCompactInt8>(chunk_tensor, chunk.start, end, chunk_scalars, f,
                                                                  write_grad, unscale, p.rounding_seed);

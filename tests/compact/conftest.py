@@ -26,8 +26,7 @@ from helpers import DEVICE, ROOT, Kernel
 CPU_N = 70_001  # more than one 65536-element work range (CPU) or chunk (CUDA), and a ragged tail
 KERNELS = ("cpu", "triton", "cuda", "cuda-emulated")
 EMULATION_THREADS = 64
-_MASTER_KIND = {torch.float32: _contract.MASTER_F32, torch.int16: _contract.MASTER_SPLIT16,
-                torch.int8: _contract.MASTER_SPLIT8}
+_MASTER_KIND = {dtype: code for dtype, code, _, _ in _contract.MASTER_ENCODINGS.values()}
 _MOMENT_KIND = {torch.float32: _contract.MOMENT_F32, torch.bfloat16: _contract.MOMENT_BF16,
                 torch.int8: _contract.MOMENT_INT8, torch.uint8: _contract.MOMENT_INT8}
 _CTYPES = {"void*": ctypes.c_void_p, "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32}
@@ -70,7 +69,8 @@ class EmulatedCuda:
                 **dict(zip(("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"), map(_address, tensors))),
                 step=steps[i].data_ptr(),
                 **dict(zip(("exp_avg_scales", "exp_avg_sq_scales", "max_exp_avg_sq_scales"), map(_address, scales))),
-                numel=p.numel(), param_dtype=DTYPE_CODE[p.dtype], grad_dtype=DTYPE_CODE[grads[i].dtype],
+                numel=p.numel(), row_numel=_contract.block_rows(p.shape)[1],
+                element_base=0 if batch.element_base is None else batch.element_base[i], param_dtype=DTYPE_CODE[p.dtype], grad_dtype=DTYPE_CODE[grads[i].dtype],
                 group=group_ids[i], aligned=int(all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)),
                 master_kind=_MASTER_KIND[master.dtype] if master is not None else _contract.MASTER_F32,
                 moment_kind=_MOMENT_KIND[exp_avgs[i].dtype], stochastic=int(rounding_seed is not None),

@@ -66,8 +66,9 @@ void emulated_update(ampfused::UpdateTensor* t, double lr, double beta1, double 
   const AdamWScalars s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, *t->step + 1.0f);
   blockDim.x = static_cast<unsigned int>(threads);
   constexpr int64_t kChunk = 65536;  // multi_tensor.h's kChunkSize
-  for (int64_t start = 0; start < t->numel; start += kChunk) {
-    const int64_t end = start + kChunk < t->numel ? start + kChunk : t->numel;
+  const int64_t work = work_numel(*t);  // contract.h: [note: blocks in rows]
+  for (int64_t start = 0; start < work; start += kChunk) {
+    const int64_t end = start + kChunk < work ? start + kChunk : work;
     std::vector<Warp> block_warps(threads / 32);
     warps = block_warps.data();
     std::vector<std::thread> pool;

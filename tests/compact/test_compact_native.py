@@ -102,7 +102,7 @@ def test_cpp_split16(shim):
     call(shim.shim_split16, m.numpy(), p, lo)
     sp, slo = C.split16(m)
     same_bits(torch.from_numpy(p.view(np.int16)), sp.view(torch.int16), "split16 param")
-    same_bits(torch.from_numpy(lo.view(np.int16)), slo, "split16 low")
+    same_bits(torch.from_numpy(lo.view(np.int16)), slo.view(torch.int16), "split16 low")
     back = np_out(m.numel(), np.float32)
     call(shim.shim_join16, p, lo, back)
     same_bits(torch.from_numpy(back), C.join16(sp, slo), "join16")
@@ -218,7 +218,7 @@ def test_triton_split16():
     launch(_split16_kernel, m.numel(), m.to(DEVICE), hi, lo, back)
     sp, slo = C.split16(m)
     same_bits(C._from_bits16(hi.cpu().long(), torch.bfloat16), sp, "split16 param")
-    same_bits(C._from_bits16(lo.cpu().long(), torch.int16), slo, "split16 low")
+    same_bits(C._from_bits16(lo.cpu().long(), torch.int16), slo.view(torch.int16), "split16 low")
     same_bits(back.cpu(), C.join16(sp, slo), "join16")
 
 

@@ -49,13 +49,13 @@ def test_int8_scales_are_block_maxima_and_nan_blocks_stay_nan(kernel):
     """A block whose new moment is NaN (skip_nonfinite=False lets a NaN grad through) gets a NaN
     scale and decodes to NaN, as the specification's amax; the other blocks are untouched by it."""
     entry = compact_entry(4096 + 300, torch.float32, "fp32", "int8", kernel.device, seed=4)
-    entry[1][300] = math.nan  # block 1
-    entry[1][800] = -math.nan  # block 3: a NaN with its sign bit set
+    entry[1].view(-1)[300] = math.nan  # block 1
+    entry[1].view(-1)[800] = -math.nan  # block 3: a NaN with its sign bit set
     kernel.step([entry])
-    scales = entry[2]["exp_avg_scales"]
+    scales = entry[2]["exp_avg_scales"].reshape(-1)
     nan_blocks = torch.zeros(scales.numel(), dtype=torch.bool, device=scales.device)
     nan_blocks[[1, 3]] = True
     assert torch.isnan(scales[nan_blocks]).all() and torch.isfinite(scales[~nan_blocks]).all()
-    decoded = C.decode_state(entry[2])["exp_avg"]
+    decoded = C.decode_state(entry[2])["exp_avg"].reshape(-1)
     assert torch.isnan(decoded[256:512]).all() and torch.isnan(decoded[768:1024]).all()
     assert torch.isfinite(decoded[:256]).all() and torch.isfinite(decoded[512:768]).all()

@@ -57,7 +57,7 @@ def test_split16_ties_through_the_optimizer(backend, rounded_up):
     master, which moves by one fp32 ulp toward the param; the next step is the fp32 run's from there."""
     g = torch.Generator().manual_seed(3)
     n = OPT_SIZES[0]
-    high = torch.randint(0x3C00, 0x3F00, (n,), generator=g, dtype=torch.int64)
+    high = torch.randint(0x3C00, 0x3F00, n, generator=g, dtype=torch.int64)
     high = high | 1 if rounded_up else high & ~1  # an odd high half rounds up at a tie, an even one down
     master = C._from_bits((high << 16) | 0x8000).to(DEVICE)
     p = torch.nn.Parameter(master.to(torch.bfloat16))

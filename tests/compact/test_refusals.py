@@ -8,9 +8,11 @@ import torch
 
 import ampfused
 from ampfused import _compact as C
-from ampfused._contract import MOMENT_DTYPE_NAMES
+from ampfused._contract import MASTER_ENCODINGS, MOMENT_DTYPE_NAMES
 from helpers import DEVICE, assert_same_state, clone_compact, opt_params, same_bits, stats_vector, update_
 from helpers import update_lists
+
+SPLIT16_DTYPE = MASTER_ENCODINGS["split16"][0]  # the stored dtype of split16 low halves
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -74,12 +76,12 @@ def bad_entry(kernel, param_dtype=torch.bfloat16, exp_avg_dtype=torch.float32, e
 
 # (entry, changed lists, the compiled op's message, the Triton wrapper's)
 BAD_DTYPES = {
-    "int16 master, fp16 param": (dict(param_dtype=torch.float16), dict(masters=[torch.int16]),
-                                 *["int16 (split16 low halves), which needs a bfloat16 param"] * 2),
+    "split16 master, fp16 param": (dict(param_dtype=torch.float16), dict(masters=[SPLIT16_DTYPE]),
+                                 *["bfloat16 (split16 low halves), which needs a bfloat16 param"] * 2),
     "int8 master, fp32 param": (dict(param_dtype=torch.float32), dict(masters=[torch.int8]),
                                 *["int8 (split8 residuals), which needs a bfloat16 or float16 param"] * 2),
-    "int16 master, fp32 param": (dict(param_dtype=torch.float32), dict(masters=[torch.int16]), "split16", "split16"),
-    "int32 master": ({}, dict(masters=[torch.int32]), "must be float32 (fp32 master), int16 (split16) or int8 (split8)",
+    "split16 master, fp32 param": (dict(param_dtype=torch.float32), dict(masters=[SPLIT16_DTYPE]), "split16", "split16"),
+    "int32 master": ({}, dict(masters=[torch.int32]), "must be float32 (fp32 master), bfloat16 (split16) or int8 (split8)",
                      "master"),
     "int8 codes, no scales": (dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8), {},
                               "holds int8 codes but moment_scales is None", "moment_scales"),
@@ -121,7 +123,7 @@ def test_split16_refuses_fp16_params():
     with pytest.raises(ValueError, match="split8"):
         ampfused.FusedAmpAdamW(params, master_weights="split16")
     opt = ampfused.FusedAmpAdamW(opt_params(), master_weights="split16")
-    with pytest.raises(ValueError, match=re.escape("int16 (split16 low halves), which needs a bfloat16 param")):
+    with pytest.raises(ValueError, match=re.escape("bfloat16 (split16 low halves), which needs a bfloat16 param")):
         opt.add_param_group({"params": [params[-1]]})
     ampfused.FusedAmpAdamW(params, master_weights="split8")  # fp16 params take split8
 
@@ -129,9 +131,9 @@ def test_split16_refuses_fp16_params():
 def test_functional_api_checks_compact_lists():
     p = torch.randn(4096, device=DEVICE).half()
     z = torch.zeros(4096, device=DEVICE)
-    with pytest.raises(ValueError, match=re.escape("is int16 (split16 low halves), which needs a bfloat16 param")):
+    with pytest.raises(ValueError, match=re.escape("is bfloat16 (split16 low halves), which needs a bfloat16 param")):
         ampfused.functional.fused_amp_adamw([p], [p.clone()], [z], [z.clone()], [None], [torch.zeros(())],
-                                            [torch.zeros(4096, dtype=torch.int16)], lr=1e-3, beta1=0.9, beta2=0.999,
+                                            [torch.zeros(4096, dtype=SPLIT16_DTYPE)], lr=1e-3, beta1=0.9, beta2=0.999,
                                             eps=1e-8, weight_decay=0.0)
     codes = torch.zeros(4096, dtype=torch.int8)
     with pytest.raises(ValueError, match="moment_scales"):

@@ -18,11 +18,12 @@ KEPT = {  # DESIGN §9: param 2 + master + moments + gradient (4 fp32-accumulate
 @pytest.mark.parametrize("mode", list(KEPT))
 def test_state_bytes_measure_each_mode(mode, fp32_accumulation):
     master_weights, state_dtype = mode
-    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 256)).to(DEVICE, torch.bfloat16)
+    # rows of 256 and 512 elements: whole int8 blocks (a shorter row takes a scale of its own)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 512)).to(DEVICE, torch.bfloat16)
     params = [p for p in model.parameters() if p.numel() >= 4096]  # tensors >= 4096 elements (biases are not)
     opt = ampfused.FusedAmpAdamW(params, master_weights=master_weights, state_dtype=state_dtype,
                                  fp32_grad_accumulation=fp32_accumulation, backend="reference")
-    model(torch.randn(4, 256, device=DEVICE, dtype=torch.bfloat16)).float().sum().backward()
+    model(torch.randn(4, 512, device=DEVICE, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
     numel = sum(p.numel() for p in params)
     grads = 0 if fp32_accumulation else sum(p.grad.nbytes for p in params)  # autograd's, read directly

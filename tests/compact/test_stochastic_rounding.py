@@ -33,7 +33,7 @@ def sr_case(kernel, n, seed, master_weights="none"):
 
 def fp32_twin(param, grad, state, master_weights):
     """The same step on fp32 moments (and an fp32 master for a param without one): the unrounded values."""
-    twin = {k: (v.float() if v.dtype == torch.bfloat16 else v).clone() for k, v in state.items()}
+    twin = {k: (v.float() if k in C.MOMENTS else v).clone() for k, v in state.items()}  # (split16's bits stay bits)
     if master_weights == "none":
         twin["master_param"] = param.float()
     return param.clone(), grad.clone(), twin
