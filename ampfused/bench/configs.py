@@ -81,10 +81,14 @@ LLAMA_7B = [(32000, 4096)] + _LLAMA_BLOCK * 32 + [(4096,), (32000, 4096)]
 
 @dataclass(frozen=True)
 class ShapeSet:
-    """1-D tensor sizes of one ``family`` ("few-large", "gpt2-like", "llama-like", "tiny")."""
+    """The tensor shapes of one ``family`` ("few-large", "gpt2-like", "llama-like", "tiny")."""
 
     family: str
-    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
 
     @property
     def numel(self) -> int:
@@ -100,16 +104,16 @@ class ShapeSet:
 
 
 def shape_set(family: str, total: int) -> ShapeSet:
-    """``total`` params split as ``family`` does: 4 equal tensors, or every tensor of the real model
-    scaled by ``total / model size`` (at least 1 element each), flattened to 1-D."""
+    """``total`` params split as ``family`` does: 4 equal tensors of one row each, or every tensor of
+    the real model with its rows scaled by ``total / model size`` (at least one each): the model's
+    row lengths and 1-D tensors, which decide int8 moments' blocks ([note: blocks in rows])."""
     if family == "few-large":
         base = [total // 4] * 4
         base[0] += total - sum(base)
-        return ShapeSet(family, tuple(base))
+        return ShapeSet(family, tuple((1, n) for n in base))
     model = {"gpt2-like": GPT2_124M, "llama-like": LLAMA_7B}[family]
-    numels = [math.prod(s) for s in model]
-    scale = total / sum(numels)
-    return ShapeSet(family, tuple(max(1, round(n * scale)) for n in numels))
+    scale = total / sum(math.prod(s) for s in model)
+    return ShapeSet(family, tuple((max(1, round(s[0] * scale)), *s[1:]) for s in model))
 
 
 def human(n: float) -> str:
@@ -177,7 +181,7 @@ def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | N
         cases += [("tensors", shape_set(f, tensors_total), c) for c in head for f in ("few-large", "gpt2-like", "llama-like")]
     if "host" in sweeps:
         counts = HOST_COUNTS if name != "quick" else HOST_COUNTS[:1]
-        cases += [("host", ShapeSet("tiny", (HOST_NUMEL,) * n), c) for c in (FP32_CLIP, FP32_NOCLIP, FP32_CLIP_FRESH)
+        cases += [("host", ShapeSet("tiny", ((HOST_NUMEL,),) * n), c) for c in (FP32_CLIP, FP32_NOCLIP, FP32_CLIP_FRESH)
                   for n in counts]
     if "memory" in sweeps:  # (quick: a few tensors big enough for int8 moments; the fallback is slow)
         if name == "quick":

@@ -253,7 +253,7 @@ def compare(results: dict[str, list], expected: dict[str, list], against: str = 
                 return f"{key}[{i}] has non-finite values"
             if got.dtype == torch.float32 and torch.allclose(got, want, rtol=rtol, atol=atol):
                 continue  # the common case, without the float copies below
-            g, w = got.float(), want.float()
+            g, w = got.float().reshape(-1), want.float().reshape(-1)  # (element j: in row-major order)
             excess = (g - w).abs() - (atol + rtol * w.abs())
             if (excess > 0).any():
                 j = int(excess.argmax())

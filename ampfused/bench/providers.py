@@ -55,11 +55,11 @@ class CaseData:
         gen = torch.Generator(device=device).manual_seed(seed)
         dtype = config.torch_dtype
         scale = INIT_SCALE if config.loss_scaling else 1.0
-        self.init = [torch.randn(n, generator=gen, device=device).mul_(0.02) for n in case.shapes.sizes]
+        self.init = [torch.randn(s, generator=gen, device=device).mul_(0.02) for s in case.shapes.shapes]
         if config.low_precision:  # the master starts as the low-precision param, as FusedAmpAdamW does
             self.init = [t.to(dtype).float() for t in self.init]
         self.grads = [
-            [torch.randn(n, generator=gen, device=device).mul_(GRAD_STD * scale).to(dtype) for n in case.shapes.sizes]
+            [torch.randn(s, generator=gen, device=device).mul_(GRAD_STD * scale).to(dtype) for s in case.shapes.shapes]
             for _ in range(config.micro_batches)
         ]
 
