@@ -172,7 +172,7 @@ class FusedAmpAdamW(Optimizer):
 
     def _check_param(self, p) -> None:
         self._device = _args.check_param(p, self.fp32_grad_accumulation, self._device)
-        _args.check_param_modes(p, self._master_mode, self._moments)
+        _args.check_param_modes(p, self._master_mode, self._moments, self.stochastic_rounding)
 
     _master_mode = property(lambda self: _args.master_mode(self.master_weights))  # "fp32", "split16", "split8", "none"
     _moments = property(lambda self: _args.state_encoding(self.state_dtype))  # torch.float32, torch.bfloat16, "int8"
