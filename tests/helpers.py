@@ -240,13 +240,15 @@ def stats_vector(factor=1.0, skip=0.0, device=DEVICE):
     return stats
 
 
-def update_(backend, lists, group_ids, groups, stats, *, grad_scale=None, moment_scales=..., rounding_seed=None):
+def update_(backend, lists, group_ids, groups, stats, *, grad_scale=None, moment_scales=..., rounding_seed=None,
+            element_base=None):
     """The one place tests/compact calls a backend's ``adamw_update_`` (over a ``_batch.Batch``):
     ``lists`` as ``update_lists`` builds them; ``moment_scales`` defaults to theirs."""
     if moment_scales is ...:
         moment_scales = lists.get("moment_scales")
-    backend.adamw_update_(batch_of(lists, group_ids, groups, moment_scales), stats, grad_scale=grad_scale,
-                          rounding_seed=rounding_seed)
+    batch = batch_of(lists, group_ids, groups, moment_scales)
+    batch.element_base = element_base
+    backend.adamw_update_(batch, stats, grad_scale=grad_scale, rounding_seed=rounding_seed)
 
 
 def batch_of(lists, group_ids, groups, moment_scales=...):
@@ -260,13 +262,14 @@ def batch_of(lists, group_ids, groups, moment_scales=...):
 
 
 def compact_update(backend, entries, amsgrad=False, maximize=False, factor=1.0, skip=0.0, grad_scale=None,
-                   rounding_seed=None, hypers=None, group_ids=None):
+                   rounding_seed=None, hypers=None, group_ids=None, element_base=None):
     """One ``backend.adamw_update_`` of ``entries``: one group of COMPACT_HYPER unless ``hypers`` (a list of
-    ``Hyper``) and ``group_ids`` say otherwise; the stats slots set."""
+    ``Hyper``) and ``group_ids`` say otherwise; the stats slots set; ``element_base``: each entry's
+    first element's index in its whole tensor (a shard's offset; None: 0)."""
     hypers = hypers or [compact_hyper(amsgrad, maximize)]
     group_ids = [0] * len(entries) if group_ids is None else list(group_ids)
     update_(backend, update_lists(entries), group_ids, hypers, stats_vector(factor, skip, entries[0][0].device),
-            grad_scale=grad_scale, rounding_seed=rounding_seed)
+            grad_scale=grad_scale, rounding_seed=rounding_seed, element_base=element_base)
 
 
 def decoded_twin(entry):

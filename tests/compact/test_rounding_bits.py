@@ -116,3 +116,34 @@ def test_the_bits_round_without_bias(word, shift):
     # per element err is in (-1, 1) with variance <= 1/4: five standard errors of the mean
     assert abs(err.mean().item()) < 5 * 0.5 / n ** 0.5, err.mean().item()
     assert 0.4 < (rounded.abs() > x.double().abs()).double().mean().item() < 0.6
+
+
+def test_a_shard_draws_the_bits_of_its_whole_tensor(kernel):
+    """FSDP2 steps a row shard of a tensor with its offset in the whole tensor (``element_base``): the
+    two row shards of a tensor, each stepped alone (at the tensor's position, as on its rank), draw
+    the bits the whole tensor draws; and a shard whose elements cross a multiple of 2^32 takes the
+    next key there, as the specification does (``reference``; the math is exact: lr = 0)."""
+    from ampfused import reference
+    from ampfused._batch import Hyper
+    from helpers import clone_compact, compact_update, compact_entry
+
+    hypers = [Hyper(0.0, 0.9, 0.999, 1e-8, 0.0, True, False)]  # only the moments move (and round)
+    rows, cols, cut = 64, 90, 40
+    whole = compact_entry((rows, cols), torch.bfloat16, "none", torch.bfloat16, kernel.device, amsgrad=True, seed=3)
+    shards = [tuple(t[part].clone() if t.dim() else t.clone() for t in (whole[0], whole[1]))
+              + ({k: v[part].clone() if v.dim() else v.clone() for k, v in whole[2].items()},)
+              for part in (slice(0, cut), slice(cut, rows))]
+    kernel.step([whole], hypers=hypers, rounding_seed=SEED)
+    for shard, base in zip(shards, (0, cut * cols)):
+        kernel.step([shard], hypers=hypers, rounding_seed=SEED, element_base=[base])
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        same_bits(torch.cat([s[2][key] for s in shards]), whole[2][key], f"{kernel.name} {key}: shards vs whole")
+        assert not torch.equal(shards[1][2][key], shards[0][2][key][: rows - cut]), "the halves share no bit sequence"
+
+    ours = compact_entry((3, 1000), torch.bfloat16, "none", torch.bfloat16, kernel.device, amsgrad=True, seed=4)
+    spec = clone_compact(ours)
+    base = 2**32 - 1700  # the high word of the element index changes inside the tensor (and a program)
+    kernel.step([ours], hypers=hypers, rounding_seed=SEED, element_base=[base])
+    compact_update(reference, [spec], hypers=hypers, rounding_seed=SEED, element_base=[base])
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        same_bits(ours[2][key], spec[2][key], f"{kernel.name} {key}: across 2^32")

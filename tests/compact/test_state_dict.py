@@ -174,3 +174,29 @@ def test_options_survive_repr_pickle_and_deepcopy(master_weights, state_dtype):
                 same_bits(copied.state[q][key], opt.state[p][key], key)
         run_steps(copied, new_params, 1)
 
+
+
+def test_a_format_1_checkpoint_is_refused_naming_the_conversion_which_reads_it(backend):
+    """int8 scales of compact format 1 (one flat vector: blocks of the flattened tensor, before blocks
+    in rows) are refused before any write, naming to_torch_state_dict, which decodes them."""
+    params = opt_params()
+    opt = ampfused.FusedAmpAdamW(params, lr=1e-2, state_dtype="int8", backend=backend)
+    run_steps(opt, params, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    old = {}
+    for key, kind in (("exp_avg", "signed"), ("exp_avg_sq", "sqrt")):  # the int8 tensor, saved as format 1 did
+        value = C.dequantize(sd["state"][0][key + "_codes"], sd["state"][0][key + "_scales"], kind)
+        codes, scales = C.quantize(value.reshape(-1), kind)
+        sd["state"][0][key + "_codes"], sd["state"][0][key + "_scales"] = codes.view(value.shape), scales
+        old[key] = C.dequantize(codes, scales, kind).view(value.shape)
+    assert sd["state"][0]["exp_avg_scales"].dim() == 1 and params[0].dim() == 2
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"compact format 1.*to_torch_state_dict"):
+        opt.load_state_dict(sd)
+    assert_bitwise_equal(before, snapshot(opt, params))
+    converted = to_torch_state_dict(sd, params)
+    for key, value in old.items():
+        assert torch.equal(converted["state"][0][key], value), key
+    opt.load_state_dict(converted)  # the way the message names
+    decoded = C.decode_state(opt.state[params[0]])
+    torch.testing.assert_close(decoded["exp_avg"], old["exp_avg"], rtol=0.07, atol=1e-3 * old["exp_avg"].abs().max().item())
