@@ -1,0 +1,201 @@
+"""Every memory mode under FSDP2 (DESIGN §8-9, [note: blocks in rows] in ampfused/_contract.py).
+
+On 2 and 4 gloo ranks, with and without MixedPrecisionPolicy, FusedAmpAdamW stepping the shards of a
+``fully_shard`` model equals one process stepping the whole model on the same global gradients,
+bitwise: every param and every state tensor gathered with ``full_tensor()`` (int8 codes and their
+scales, split16 / split8 masters, bf16 moments), stochastic rounding included (its bits are keyed by
+the element's index in the whole tensor). The model's rows are no whole number of int8 blocks and its
+shards uneven (an empty one on 4 ranks). ``full_state_dict`` gathers every mode; a DCP checkpoint
+saved on 2 ranks loads on 4 and equals the one-process state.
+"""
+import warnings
+
+import pytest
+import torch
+
+import ampfused
+from dist_utils import rank_backends, rank_device, requires_gloo, run
+
+pytestmark = requires_gloo
+STEPS = 3
+WIDTHS = (256, 70, 96, 3)  # weights [70, 256] (whole blocks), [96, 70] (rows of 70), [3, 96] (small: fp32 moments)
+# (master_weights, state_dtype, stochastic_rounding) on a bf16 model
+BF16_MODES = [("fp32", "int8", False), ("split16", "int8", False), ("split8", "int8", False), (False, "int8", True),
+              ("split16", torch.float32, False), ("split8", torch.bfloat16, True), (False, torch.bfloat16, True)]
+# on an fp32 model under MixedPrecisionPolicy(bf16 compute): the params are their own masters
+MP_MODES = [(None, "int8", False), (None, torch.bfloat16, True)]
+
+
+def make_model(dtype, sharded, mp_policy=None):
+    from helpers import mlp
+
+    model = mlp(*WIDTHS, dtype=dtype, device=rank_device())
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+        for layer in model[::2]:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+    return model
+
+
+def make_opt(model, mode, backend):
+    master_weights, state_dtype, sr = mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an option with no effect on fp32 params warns; not what this tests)
+        return ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=master_weights,
+                                      state_dtype=state_dtype, stochastic_rounding=sr, backend=backend,
+                                      fp32_grad_accumulation=False)  # (FSDP2 writes the grads; the one process's are set)
+
+
+def global_grad(p, step, i):
+    """The same global gradient on every rank and in the one process."""
+    g = torch.Generator().manual_seed(1000 * step + i)
+    return (torch.randn(tuple(p.shape), generator=g) * 1e-2).to(device=rank_device(), dtype=p.dtype)
+
+
+def train(model, opt, rank, sharded, steps=STEPS, first=0):
+    """A forward and backward through the (sharded) model, then the global gradients in its place: the
+    optimizer sees what one process would, whatever FSDP2's reduction rounded."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for step in range(first, first + steps):
+        x = torch.randn(4, WIDTHS[0], generator=torch.Generator().manual_seed(step * 10 + rank)).to(rank_device())
+        model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+        for i, p in enumerate(model.parameters()):
+            g = global_grad(p, step, i)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements) if sharded else g
+        torch.manual_seed(100 + step)  # the rounding seed: the same draw on every rank and in the one process
+        opt.step()
+        opt.zero_grad()
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def bits(t):
+    t = t.detach().cpu()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dim() else t
+
+
+def assert_same_state(expected: dict, actual: dict, what: str):
+    """{name: {key: tensor}} bitwise, key sets included."""
+    assert expected.keys() == actual.keys(), f"{what}: params {sorted(actual)} != {sorted(expected)}"
+    for name, state in expected.items():
+        assert state.keys() == actual[name].keys(), f"{what}: {name} keys {sorted(actual[name])} != {sorted(state)}"
+        for key, value in state.items():
+            got = actual[name][key]
+            assert got.dtype == value.dtype and got.shape == value.shape, f"{what}: {name} {key} {got.dtype}{tuple(got.shape)}"
+            assert torch.equal(bits(got), bits(value)), f"{what}: {name} {key} differs"
+
+
+def gathered_state(model, opt):
+    """{param name: {key: full tensor}} of the params and every state tensor, gathered from the shards."""
+    names = dict(zip(model.parameters(), (n for n, _ in model.named_parameters())))
+    out = {}
+    for p, state in opt.state.items():
+        out[names[p]] = {"param": full(p).detach().clone(), **{k: full(v).detach().clone() for k, v in state.items()}}
+    return out
+
+
+def compare_to_one_process(rank, world, backend, mode, mp_policy):
+    dtype = torch.float32 if mp_policy is not None else torch.bfloat16
+    what = f"{mode} mp={mp_policy is not None} backend={backend} world={world} rank={rank}"
+    sharded = make_model(dtype, True, mp_policy)
+    opt = make_opt(sharded, mode, backend)
+    one = make_model(dtype, False)
+    one_opt = make_opt(one, mode, backend)
+    train(sharded, opt, rank, True)
+    train(one, one_opt, rank, False)
+    expected = gathered_state(one, one_opt)
+    if mode[1] == "int8":
+        assert any(k.endswith("_codes") for s in expected.values() for k in s), f"{what}: the test must hold int8 codes"
+        scales = next(v for p in sharded.parameters() for k, v in opt.state[p].items() if k.endswith("_scales"))
+        assert type(scales).__name__ == "DTensor", f"{what}: int8 scales of a DTensor param must be a DTensor"
+    assert_same_state(expected, gathered_state(sharded, opt), what)
+    return sharded, opt, one, one_opt
+
+
+def check_full_state_dict(model, opt, one_opt, what):
+    """get_optimizer_state_dict(full_state_dict=True) gathers every state tensor (no int16 in a DTensor:
+    gloo and NCCL move none) and equals the one process's state_dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    names = [n for n, _ in model.named_parameters()]
+    one_sd = one_opt.state_dict()["state"]
+    expected = {names[i]: {k: v for k, v in s.items()} for i, s in one_sd.items()}
+    assert_same_state(expected, {n: dict(s) for n, s in sd["state"].items()}, f"{what}: full_state_dict")
+    for state in opt.state.values():
+        for key, value in state.items():
+            assert value.dtype != torch.int16, f"{what}: {key} is int16, which collectives cannot move"
+
+
+def _worker(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    backends = [b for b in rank_backends() if b != "triton" or world == 2]  # the interpreter is too slow on 4 CPU ranks
+    for backend in backends:
+        for n, mode in enumerate(BF16_MODES):
+            model, opt, _, one_opt = compare_to_one_process(rank, world, backend, mode, None)
+            check_full_state_dict(model, opt, one_opt, f"{mode} {backend} world={world}")
+            if root is not None and backend == backends[-1]:  # saved for the 2 -> 4 reshard below
+                optim_sd = get_optimizer_state_dict(model, opt)
+                dcp.save({"optim": optim_sd}, checkpoint_id=f"{root}/mode{n}")
+                state = gathered_state(model, opt)  # (a collective: every rank gathers)
+                if rank == 0:
+                    torch.save(state, f"{root}/mode{n}.expected.pt")
+        for mode in MP_MODES:
+            compare_to_one_process(rank, world, backend, mode, bf16)
+
+
+def _reshard_worker(rank, world, root):
+    """Checkpoints of 2 ranks load on ``world`` ranks: the same state, gathered, bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    backend = [b for b in rank_backends() if b != "triton"][-1]
+    for n, mode in enumerate(BF16_MODES):
+        expected = torch.load(f"{root}/mode{n}.expected.pt", weights_only=True)
+        model = make_model(torch.bfloat16, True)
+        opt = make_opt(model, mode, backend)
+        train(model, opt, rank, True, steps=1, first=7)  # state laid out (other values, overwritten by the load)
+        with torch.no_grad():  # the model's own checkpoint: split masters are completed by these params
+            for name, p in model.named_parameters():
+                p.copy_(distribute_tensor(expected[name]["param"].to(p.device), p.device_mesh, p.placements))
+        optim_sd = get_optimizer_state_dict(model, opt)
+        dcp.load({"optim": optim_sd}, checkpoint_id=f"{root}/mode{n}")
+        set_optimizer_state_dict(model, opt, optim_state_dict=optim_sd)
+        assert_same_state(expected, gathered_state(model, opt), f"{mode}: saved on 2 ranks, loaded on {world}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_mode_on_shards_equals_one_process(world, tmp_path):
+    run(_worker, world, str(tmp_path) if world == 2 else None, timeout=420)
+    if world == 2:
+        run(_reshard_worker, 4, str(tmp_path), timeout=300)
+
+
+def _refusal_worker(rank, world):
+    """Shards that are not whole rows (tensor parallelism's Shard(1)) are refused for int8 blocks and
+    stochastic rounding, naming the placement; element-wise modes take them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(rank_device().type, (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 128).to(torch.bfloat16), mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match=r"sharded by rows \(Shard\(0\).*Shard\(dim=1\)"):
+        ampfused.FusedAmpAdamW([p], state_dtype="int8")
+    with pytest.raises(ValueError, match="stochastic_rounding=True .*Shard\\(dim=1\\)"):
+        ampfused.FusedAmpAdamW([p], master_weights=False, stochastic_rounding=True)
+    ampfused.FusedAmpAdamW([p], master_weights="split16", state_dtype=torch.bfloat16)
+
+
+def test_shards_that_are_not_rows_are_refused_for_blocks_and_rounding():
+    run(_refusal_worker, 2, timeout=120)
