@@ -92,6 +92,10 @@ SR_KEY_SALT = 0x3C6EF372     # the tensor index's salt in the key
 SR_WORD0_SALT = 0x5BD1E995   # the salts of an element's two random words
 SR_WORD1_SALT = 0x1B873593
 
+# The kernels key all of a tensor's (a shard's) elements with one high word: a shard whose elements'
+# indices in the whole tensor cross a multiple of 2^32 (a sharded tensor of over 2^32 elements) is
+# stepped by the reference passes, which key each element (``crosses_high_word``).
+
 # name -> (C++ name, C++ type, C++ namespace under ampfused, or "") of every constant above
 SHARED = {
     "NORM": ("kStatsNorm", "int", ""), "SKIP": ("kStatsSkip", "int", ""), "FACTOR": ("kStatsFactor", "int", ""),
@@ -257,6 +261,14 @@ def block_rows(shape) -> tuple[int, int]:
     if len(shape) < 2:
         return 1, math.prod(shape)
     return shape[0], math.prod(shape[1:])
+
+
+def crosses_high_word(element_base: int, numel: int) -> bool:
+    """Whether the elements ``element_base .. element_base + numel - 1`` of a tensor (a shard from its
+    offset) have more than one high word: the kernels key every element of an unsharded tensor by
+    its chunk (chunks never cross a multiple of 2^32), of a shard by its first element
+    ([note: rounding bits])."""
+    return element_base != 0 and numel > 0 and (element_base >> 32) != ((element_base + numel - 1) >> 32)
 
 
 def scales_shape(shape) -> tuple[int, ...]:

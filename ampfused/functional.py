@@ -25,7 +25,7 @@ from torch import Tensor
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
 from ._batch import Batch, Hyper, row_lr
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, finish_
+from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, crosses_high_word, finish_
 from ._layout import is_dense
 from ._state import wide_indices
 
@@ -273,10 +273,12 @@ def rounding_seed(device: torch.device) -> int:
     return _compact.draw_rounding_seed()
 
 
-def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False) -> list[int]:
+def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, stochastic: bool = False,
+                     element_base=None) -> list[int]:
     """Indices of the tensors the reference passes serve inside the step: float64/complex ones ([note: wide
-    params]), params with gaps ([note: non-dense params]) and those whose encodings ``backend`` does not list
-    in its ``COMPACT_MODES``.
+    params]), params with gaps ([note: non-dense params]), those whose encodings ``backend`` does not list
+    in its ``COMPACT_MODES``, and, rounding stochastically, shards whose elements' indices in their whole
+    tensor cross a multiple of 2^32 (``_contract.crosses_high_word``).
 
     [note: compact fallback] Every mode works on every backend from the day it exists: a backend
     without a native variant hands those tensors to ``reference`` (the specification of every
@@ -289,6 +291,8 @@ def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, sto
     for i, (p, m, master) in enumerate(zip(params, exp_avgs, masters)):
         if i not in wide and not compact_modes(p, m, master, stochastic) <= served:
             wide.add(i)
+    if stochastic and element_base is not None:
+        wide |= {i for i, (p, base) in enumerate(zip(params, element_base)) if crosses_high_word(base, p.numel())}
     return sorted(wide)
 
 
@@ -302,7 +306,8 @@ def _shares(backend, batch: Batch, stochastic: bool) -> tuple[Batch, Batch | Non
     key = (backend.NAME, stochastic)
     entry = batch.parts.get(key)
     if entry is None:
-        wide = fallback_indices(backend, batch.params, batch.exp_avgs, batch.masters, batch.moment_scales, stochastic)
+        wide = fallback_indices(backend, batch.params, batch.exp_avgs, batch.masters, batch.moment_scales, stochastic,
+                                batch.element_base)
         if not wide:
             entry = batch.parts[key] = ()
         else:

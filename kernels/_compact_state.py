@@ -40,40 +40,33 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
-# A program's stochastic-rounding key: the keys of the high words of its first global element index
-# and of the next one, the local element from which the next applies, and the local tensor's first
-# element's index in the whole tensor (a DTensor shard's offset, ``U_ELEMENT_BASE``).
-RoundingKey = namedtuple("RoundingKey", ["key", "key_next", "wrap", "base"])
-
-
-@triton.jit
-def _key(seed_lo, seed_hi, tensor, high):
-    key = mix32(tensor.to(tl.uint32) + SR_KEY_SALT)
-    key = mix32(key ^ seed_lo.to(tl.uint32))
-    key = mix32(key ^ seed_hi.to(tl.uint32))
-    return mix32(key ^ high.to(tl.uint32))
+# A program's stochastic-rounding key: the key of the high word of its elements' indices in the whole
+# tensor (one for the whole program: a tensor whose local elements' indices cross a multiple of 2^32
+# steps in the reference passes, ampfused/functional.fallback_indices), and the low word of the local
+# tensor's first element's index there (a DTensor shard's offset, ``U_ELEMENT_BASE``).
+RoundingKey = namedtuple("RoundingKey", ["key", "base_lo"])
 
 
 @triton.jit
 def rounding_key(seed_lo, seed_hi, tensor, start, base):
     """The :data:`RoundingKey` of a program whose elements start at local element ``start``: from
     (seed words, the tensor's index in the step's lists, high word of the global element index)."""
-    high = (base + start) >> 32
-    return RoundingKey(_key(seed_lo, seed_hi, tensor, high), _key(seed_lo, seed_hi, tensor, high + 1),
-                       ((high + 1) << 32) - base, base)
+    key = mix32(tensor.to(tl.uint32) + SR_KEY_SALT)
+    key = mix32(key ^ seed_lo.to(tl.uint32))
+    key = mix32(key ^ seed_hi.to(tl.uint32))
+    return RoundingKey(mix32(key ^ ((base + start) >> 32).to(tl.uint32)), base.to(tl.uint32))
 
 
 @triton.jit
 def no_rounding_key(zero):
-    return RoundingKey(zero.to(tl.uint32), zero.to(tl.uint32), zero.to(tl.int64), zero.to(tl.int64))
+    return RoundingKey(zero.to(tl.uint32), zero.to(tl.uint32))
 
 
 @triton.jit
 def random_words(offs, rk, SECOND: tl.constexpr):
     """(word0, word1) of 32 random bits for local elements ``offs`` under the :data:`RoundingKey` ``rk``;
     word1 only when SECOND (else 0)."""
-    key = tl.where(offs < rk.wrap, rk.key, rk.key_next)
-    y = mix32((offs + rk.base).to(tl.uint32) ^ key)
+    y = mix32((offs.to(tl.uint32) + rk.base_lo) ^ rk.key)
     word0 = mix32(y ^ SR_WORD0_SALT)
     word1 = word0 * 0
     if SECOND:

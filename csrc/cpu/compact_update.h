@@ -31,26 +31,24 @@ constexpr int kNone = -1;
 
 // What every element loop reads from its range, gathered once: the step's
 // scalars, the gradient factor, the moment buffers (cast by the caller's moment kind) and the
-// stochastic-rounding keys of elements at + j, counted from the whole tensor's first element
-// (element_base + at + j; compact_random.h): the range's key, and the next one from `wrap` on.
+// stochastic-rounding key of elements at + j, counted from the whole tensor's first element
+// (element_base + at + j; compact_random.h).
 struct Setup {
   AdamWScalars s;
   float factor;
   void* m;
   void* v;
   void* vmax;  // nullptr without AMSGrad
-  uint32_t k0, key, key_next;
-  int64_t wrap;
+  uint32_t k0, key;
 
   Setup(const UpdateRange& r, int64_t at)
       : s(*r.scalars), factor(r.factor), m(r.exp_avg), v(r.exp_avg_sq), vmax(r.max_exp_avg_sq),
-        k0(static_cast<uint32_t>(r.element_base + at)), key(r.rounding_key), key_next(r.rounding_key_next),
-        wrap(r.rounding_wrap - (at - r.begin)) {}
+        k0(static_cast<uint32_t>(r.element_base + at)), key(r.rounding_key) {}
 
   // random word 0 (exp_avg low half, exp_avg_sq high half) or 1 (max_exp_avg_sq low half, the
   // param high half) of element at + j
   AMPFUSED_HD uint32_t bits(int64_t j, int word) const {
-    return random_word(element_hash(k0 + static_cast<uint32_t>(j), j < wrap ? key : key_next), word);
+    return random_word(element_hash(k0 + static_cast<uint32_t>(j), key), word);
   }
 };
 

@@ -26,8 +26,6 @@ struct UpdateRange : UpdateTensor {
   int64_t begin;
   int64_t end;
   uint32_t rounding_key;  // stochastic rounding (compact_random.h): the key of this range's elements
-  uint32_t rounding_key_next;  // ... of those from rounding_wrap on (the high word of element_base + e one more)
-  int64_t rounding_wrap;       // elements from begin before element_base + e reaches the next multiple of 2^32
 };
 
 struct SumSq {

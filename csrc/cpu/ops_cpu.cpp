@@ -203,13 +203,10 @@ void adamw_update_cpu(const UpdateCall& call) {
     for (int64_t b = 0; b < t.numel;) {
       const int64_t e = range_end(t, b);
       ranges.push_back(UpdateRange{t, &scalars[i], f, call.grad_scale != nullptr ? t.grad : nullptr, unscale, b, e});
-      if (t.stochastic != 0) {  // the keys of the high word of the range's first global index and the next one
-        const uint64_t first = static_cast<uint64_t>(t.element_base + b);
-        const uint64_t seed = static_cast<uint64_t>(*call.rounding_seed);
-        UpdateRange& r = ranges.back();
-        r.rounding_key = compact::rounding_key(seed, t.index, static_cast<uint32_t>(first >> 32));
-        r.rounding_key_next = compact::rounding_key(seed, t.index, static_cast<uint32_t>((first >> 32) + 1));
-        r.rounding_wrap = static_cast<int64_t>((((first >> 32) + 1) << 32) - first);
+      if (t.stochastic != 0) {  // one high word per range: unsharded ranges never cross a multiple of 2^32,
+        // a shard whose global indices do is not sent here (_contract.crosses_high_word)
+        ranges.back().rounding_key = compact::rounding_key(static_cast<uint64_t>(*call.rounding_seed), t.index,
+                                                           static_cast<uint32_t>((t.element_base + b) >> 32));
       }
       b = e;
     }

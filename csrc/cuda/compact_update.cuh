@@ -288,12 +288,11 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
   // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
   const bool sr_moments = t.stochastic != 0 && t.moment_kind == kMomentBF16;
   const bool sr_param = t.stochastic != 0 && t.master == nullptr && t.param_dtype == kBF16;
-  // the random bits of element e: the key of the high word of its index in the whole tensor,
-  // element_base + e (compact_random.h): the chunk's first one, or the next from `wrap` on
-  const uint64_t first = static_cast<uint64_t>(t.element_base + element_at(t, begin));
-  const uint32_t key = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>(first >> 32)) : 0u;
-  const uint32_t key_next = t.stochastic != 0 ? compact::rounding_key(seed, t.index, static_cast<uint32_t>((first >> 32) + 1)) : 0u;
-  const int64_t wrap = static_cast<int64_t>((((first >> 32) + 1) << 32) - static_cast<uint64_t>(t.element_base));
+  // the random bits of element e are keyed by its index in the whole tensor, element_base + e
+  // (compact_random.h), with one high word per chunk: unsharded chunks never cross a multiple of
+  // 2^32, and a shard whose indices do is not sent here (_contract.crosses_high_word)
+  const uint32_t key = t.stochastic != 0 ? compact::rounding_key(seed, t.index,
+      static_cast<uint32_t>((t.element_base + element_at(t, begin)) >> 32)) : 0u;
   const bool ragged = ragged_rows(t);
   for (int64_t base = begin + static_cast<int64_t>(kGroup) * (threadIdx.x / kWarp); base < end;
        base += static_cast<int64_t>(kGroup) * warps) {  // uniform over the warp: whole warps take a group
@@ -350,8 +349,7 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
       uint32_t rand_a[4] = {0u, 0u, 0u, 0u}, rand_b[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t hash = compact::element_hash(static_cast<uint32_t>(t.element_base + at + j),
-                                                    at + j < wrap ? key : key_next);
+        const uint32_t hash = compact::element_hash(static_cast<uint32_t>(t.element_base + at + j), key);
         if (sr_moments) rand_a[j] = compact::random_word(hash, 0);
         if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_word(hash, 1);
       }

@@ -121,9 +121,10 @@ def test_the_bits_round_without_bias(word, shift):
 def test_a_shard_draws_the_bits_of_its_whole_tensor(kernel):
     """FSDP2 steps a row shard of a tensor with its offset in the whole tensor (``element_base``): the
     two row shards of a tensor, each stepped alone (at the tensor's position, as on its rank), draw
-    the bits the whole tensor draws; and a shard whose elements cross a multiple of 2^32 takes the
-    next key there, as the specification does (``reference``; the math is exact: lr = 0)."""
-    from ampfused import reference
+    the bits the whole tensor draws; a shard past 2^32 elements draws the specification's
+    (``reference``; the math is exact: lr = 0); one whose elements cross a multiple of 2^32 is left
+    to the reference passes, which key each element."""
+    from ampfused import functional, reference
     from ampfused._batch import Hyper
     from helpers import clone_compact, compact_update, compact_entry
 
@@ -142,8 +143,13 @@ def test_a_shard_draws_the_bits_of_its_whole_tensor(kernel):
 
     ours = compact_entry((3, 1000), torch.bfloat16, "none", torch.bfloat16, kernel.device, amsgrad=True, seed=4)
     spec = clone_compact(ours)
-    base = 2**32 - 1700  # the high word of the element index changes inside the tensor (and a program)
+    base = 2 * 2**32 + 2**31 + 12345  # high word 2, the low word far from 0
     kernel.step([ours], hypers=hypers, rounding_seed=SEED, element_base=[base])
     compact_update(reference, [spec], hypers=hypers, rounding_seed=SEED, element_base=[base])
     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-        same_bits(ours[2][key], spec[2][key], f"{kernel.name} {key}: across 2^32")
+        same_bits(ours[2][key], spec[2][key], f"{kernel.name} {key}: a shard past 2^32 elements")
+    backend = kernel.backend
+    for base, crosses in ((2**32 - 1700, True), (2**32 - 3000, False), (0, False)):
+        wide = functional.fallback_indices(backend, [ours[0]], [ours[2]["exp_avg"]], [None], stochastic=True,
+                                           element_base=[base])
+        assert wide == ([0] if crosses and backend is not reference else []), (base, wide)

@@ -329,7 +329,7 @@ def compact_updates(adamw, hyper, numels):
     stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
     import torch
     from ampfused._batch import Batch
-    from ampfused._contract import INT8_BLOCK
+    from ampfused._contract import INT8_BLOCK, MASTER_ENCODINGS
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
         p = torch.zeros(n, dtype=param_dtype)
@@ -349,13 +349,14 @@ def compact_updates(adamw, hyper, numels):
                                   [hyper], [r[4] for r in rows]), torch.zeros(4), rounding_seed=seed, grad_scale=grad_scale)
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    mixed = [(bf16, torch.int16, "int8"), (fp32, None, fp32), (bf16, None, bf16), (fp16, torch.int8, fp32)]
+    split16 = MASTER_ENCODINGS["split16"][0]  # the stored dtype of its low halves
+    mixed = [(bf16, split16, "int8"), (fp32, None, fp32), (bf16, None, bf16), (fp16, torch.int8, fp32)]
     for grad_scale in (None, torch.ones(())):  # WRITE_GRAD: a GradScaler step also stores the unscaled grads
-        launch([(bf16, torch.int16, fp32)] * 4, grad_scale=grad_scale)
+        launch([(bf16, split16, fp32)] * 4, grad_scale=grad_scale)
         launch([(bf16, None, bf16)] * 4, seed=1, grad_scale=grad_scale)
-        launch([(bf16, torch.int16, bf16)] * 4, seed=1, grad_scale=grad_scale)
+        launch([(bf16, split16, bf16)] * 4, seed=1, grad_scale=grad_scale)
         launch([(fp16, torch.int8, bf16)] * 4, grad_scale=grad_scale)
-        launch([(bf16, torch.int16, "int8")] * 4, grad_scale=grad_scale)
+        launch([(bf16, split16, "int8")] * 4, grad_scale=grad_scale)
         launch(mixed, seed=1, grad_scale=grad_scale)
 
 
