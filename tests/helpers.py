@@ -144,6 +144,15 @@ def clone_compact(entry):
     return param.clone(), grad.clone(), {k: t.clone() for k, t in state.items()}
 
 
+def equal_bits(a, b) -> bool:
+    """Whether two tensors hold the same bits (dtype and shape included): ``torch.equal`` for state
+    tensors whose bits are not numbers (split16's low halves read as bf16 may be NaN patterns)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.reshape(-1).view(width), b.reshape(-1).view(width)) if a.numel() else True
+
+
 def same_bits(actual, expected, what):
     """Bitwise equality of two tensors (or arrays) of one dtype and shape, NaN == NaN whatever the payload."""
     actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)

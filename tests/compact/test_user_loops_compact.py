@@ -18,7 +18,7 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused.checkpoint import to_torch_state_dict
-from helpers import DEVICE, backends_among
+from helpers import DEVICE, backends_among, equal_bits, same_bits
 
 MODES = [("fp32", None, False), ("split16", None, False), ("split8", None, False), (False, None, False),
          ("fp32", torch.bfloat16, False), ("split16", torch.bfloat16, True), ("fp32", "int8", False),
@@ -292,7 +292,7 @@ def assert_same_run(model_a, opt_a, model_b, opt_b):
         assert torch.equal(p, q)
         assert opt_a.state[p].keys() == opt_b.state[q].keys()
         for key in opt_a.state[p]:
-            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key]), key
+            same_bits(opt_b.state[q][key], opt_a.state[p][key], key)
 
 
 @pytest.mark.parametrize("backend,mode", modes_by_backend("reference", "cpu"))
@@ -408,7 +408,7 @@ def test_to_torch_state_dict_does_not_alias_the_live_state():
     torch_opt.step()
     for p in params:
         for key, value in before[p].items():
-            assert torch.equal(opt.state[p][key], value), key
+            same_bits(opt.state[p][key], value, key)
 
 
 def mode_pairs():
@@ -442,7 +442,7 @@ def test_switching_modes_across_a_checkpoint_works_or_is_refused_cleanly(saved, 
         assert all(torch.equal(p, q) for p, q in zip(model2.parameters(), params_before))
         for p in model2.parameters():
             assert opt2.state[p].keys() == before[p].keys()
-            assert all(torch.equal(opt2.state[p][k], v) for k, v in before[p].items())
+            assert all(equal_bits(opt2.state[p][k], v) for k, v in before[p].items())
         assert opt2.param_groups[0]["lr"] == lr_before
         opt2.load_state_dict(to_torch_state_dict(ckpt["opt"], list(model.parameters())))  # the way it names
     sched2.load_state_dict(ckpt["sched"])
@@ -491,7 +491,7 @@ def test_param_groups_freezing_and_late_params(backend, mode):
             if p not in expected:
                 assert torch.equal(p, values[p])
                 assert opt.state[p].keys() == untouched[p].keys()
-                assert all(torch.equal(opt.state[p][k], v) for k, v in untouched[p].items())
+                assert all(equal_bits(opt.state[p][k], v) for k, v in untouched[p].items())
         assert not opt.state[model.norm.weight]  # frozen: no state, as torch
     assert opt.state[model.inp.bias]["step"].item() == 3.0  # stepped from step 5
     assert opt.state[model.mid.bias]["step"].item() == 4.0
@@ -538,7 +538,7 @@ def test_group_added_mid_run_survives_a_checkpoint(backend):
     assert_same_run(model, opt, model2, opt2)
     assert torch.equal(extra, extra2)
     assert opt.state[extra].keys() == opt2.state[extra2].keys()
-    assert all(torch.equal(opt.state[extra][k], opt2.state[extra2][k]) for k in opt.state[extra])
+    assert all(equal_bits(opt.state[extra][k], opt2.state[extra2][k]) for k in opt.state[extra])
 
 
 # ------------------------------------------------------------------ 4. what users do with the optimizer
@@ -561,7 +561,7 @@ def test_state_inspection_deepcopy_and_reset(mode):
     torch.manual_seed(1)
     train_checked(model, opt, sched, 1, first=2)
     for i, q in enumerate(copied_params):  # stepping the original leaves the copy
-        assert all(torch.equal(copied.state[q][k], v) for k, v in frozen[i].items())
+        assert all(equal_bits(copied.state[q][k], v) for k, v in frozen[i].items())
     # reset: the next step is a fresh optimizer's on the current weights
     opt.state.clear()
     fresh_model = odd_sized_net()
@@ -623,7 +623,7 @@ def test_fp16_split8_with_grad_scaler_and_an_overflow_step(backend, state_dtype)
         for p in model.parameters():
             if step == 2:
                 assert torch.equal(p, before[p][0])
-                assert all(torch.equal(opt.state[p][k], v) for k, v in before[p][1].items())
+                assert all(equal_bits(opt.state[p][k], v) for k, v in before[p][1].items())
             else:
                 torch.testing.assert_close(p.grad, want_grads[p], rtol=grid_tol(backend, 1e-6), atol=0)
         if expected is not None:
@@ -653,7 +653,7 @@ def test_split_masters_leave_fp32_params_their_own_master(master_weights):
         assert set(split.state[q]) == {"step", "exp_avg", "exp_avg_sq"}
         if master_weights == "split16":
             assert torch.equal(p, q)
-            assert all(torch.equal(fp32.state[p][k], split.state[q][k]) for k in split.state[q])
+            assert all(equal_bits(fp32.state[p][k], split.state[q][k]) for k in split.state[q])
 
 
 @pytest.mark.parametrize("master_weights", ["split16", "split8"])
