@@ -42,7 +42,7 @@ def mix32(x):
 
 # A program's stochastic-rounding key: the key of the high word of its elements' indices in the whole
 # tensor (one for the whole program: a tensor whose local elements' indices cross a multiple of 2^32
-# steps in the reference passes, ampfused/functional.fallback_indices), and the low word of the local
+# steps in the reference passes: fallback_indices in ampfused/functional.py), and the low word of the local
 # tensor's first element's index there (a DTensor shard's offset, ``U_ELEMENT_BASE``).
 RoundingKey = namedtuple("RoundingKey", ["key", "base_lo"])
 

@@ -144,6 +144,13 @@ def clone_compact(entry):
     return param.clone(), grad.clone(), {k: t.clone() for k, t in state.items()}
 
 
+def bits(t):
+    """``t``'s bits as integers of its element width (a float tensor may hold bit patterns that read
+    as NaN: split16's low halves); a DTensor's local shard."""
+    t = (t.to_local() if hasattr(t, "to_local") else t).detach()
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+
 def equal_bits(a, b) -> bool:
     """Whether two tensors hold the same bits (dtype and shape included): ``torch.equal`` for state
     tensors whose bits are not numbers (split16's low halves read as bf16 may be NaN patterns)."""

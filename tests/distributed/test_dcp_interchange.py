@@ -20,7 +20,8 @@ import torch
 import ampfused
 from ampfused import _compact
 from dist_utils import rank_batch, rank_device, requires_gloo, run
-from helpers import mlp
+from helpers import bits, mlp
+from test_fsdp2 import local
 from test_dcp import kernel_backend
 
 pytestmark = requires_gloo
@@ -28,7 +29,7 @@ HYPER = dict(lr=1e-2, weight_decay=0.1)
 MASTERS = (None, "split16", "split8", False)  # fp32 (the default), split16, split8, none
 
 
-def bf16_model():
+def interchange_bf16_model():
     # the same init on every rank; 81 x 66 = 5,346 elements: int8 moments apply to it (4,096 and up)
     return mlp(6, 66, 81, 3, dtype=torch.bfloat16, device=rank_device())
 
@@ -42,7 +43,7 @@ def sharded(model):
     return model
 
 
-def train(model, opt, rank, steps, first=0):
+def train_sharded(model, opt, rank, steps, first=0):
     for step in range(first, first + steps):
         x, y = rank_batch(1000 * step + rank, 4)
         torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
@@ -55,13 +56,6 @@ def fused(model, master_weights, state_dtype):
                                   backend=kernel_backend())
 
 
-def local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def bits(t):
-    t = local(t).detach()
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]) if t.is_floating_point() else t
 
 
 def assert_same(model_a, opt_a, model_b, opt_b, what):
@@ -75,7 +69,7 @@ def assert_same(model_a, opt_a, model_b, opt_b, what):
             assert torch.equal(bits(a[key]), bits(b[key])), f"{what}: {key} of param {i}"
 
 
-def save(root, model, opt):
+def save_dcp(root, model, opt):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -97,17 +91,17 @@ def stock_into_every_master_mode(rank, root, state_dtype):
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
 
-    stock_model = sharded(bf16_model())
+    stock_model = sharded(interchange_bf16_model())
     stock = torch.optim.AdamW(stock_model.parameters(), **HYPER)
-    train(stock_model, stock, rank, 2)
-    save(f"{root}/stock", stock_model, stock)
+    train_sharded(stock_model, stock, rank, 2)
+    save_dcp(f"{root}/stock", stock_model, stock)
     for master_weights in MASTERS:
         what = f"stock -> master_weights={master_weights} state_dtype={state_dtype}"
-        expected_model = sharded(bf16_model())
+        expected_model = sharded(interchange_bf16_model())
         expected = fused(expected_model, master_weights, state_dtype)
         set_state_dict(expected_model, expected, model_state_dict=get_model_state_dict(stock_model),
                        optim_state_dict=get_optimizer_state_dict(stock_model, stock))
-        model = sharded(bf16_model())
+        model = sharded(interchange_bf16_model())
         opt = fused(model, master_weights, state_dtype)
         if master_weights is None:  # why dcp_load exists: DCP asks the checkpoint for the loader's keys
             with pytest.raises(CheckpointException) as refused:
@@ -119,8 +113,8 @@ def stock_into_every_master_mode(rank, root, state_dtype):
         assert_same(expected_model, expected, model, opt, what)
         for p, q in zip(model.parameters(), stock_model.parameters()):
             assert torch.equal(bits(p), bits(q)), f"{what}: the params are the saved ones"
-        train(expected_model, expected, rank, 1, first=2)
-        train(model, opt, rank, 1, first=2)
+        train_sharded(expected_model, expected, rank, 1, first=2)
+        train_sharded(model, opt, rank, 1, first=2)
         assert_same(expected_model, expected, model, opt, f"{what}, a step later")
 
 
@@ -135,18 +129,18 @@ def every_master_mode_into_stock(rank, root, state_dtype):
     for master_weights in MASTERS:
         mode = f"master_weights={master_weights} state_dtype={state_dtype}"
         path = f"{root}/fused-{master_weights}"
-        saved_model = sharded(bf16_model())
+        saved_model = sharded(interchange_bf16_model())
         saved = fused(saved_model, master_weights, state_dtype)
-        train(saved_model, saved, rank, 2)
+        train_sharded(saved_model, saved, rank, 2)
         if state_dtype == "int8":
             assert "exp_avg_codes" in saved.state[saved_model[2].weight], "the test needs int8 moments in the checkpoint"
-        save(path, saved_model, saved)
+        save_dcp(path, saved_model, saved)
         save_torch_form(f"{path}-torch", saved_model, saved)
         decoded = [_compact.decode_state({k: local(v) for k, v in saved.state[p].items()}, local(p))
                    for p in saved_model.parameters()]
         for loader, source, what in ((ampfused.checkpoint.dcp_load, path, f"{mode} -> stock"),
                                      (dcp.load, f"{path}-torch", f"{mode} in torch's form -> stock, plain dcp.load")):
-            model = sharded(bf16_model())
+            model = sharded(interchange_bf16_model())
             stock = torch.optim.AdamW(model.parameters(), **HYPER)
             load_with(loader, source, model, stock)
             for i, (p, q) in enumerate(zip(saved_model.parameters(), model.parameters())):
@@ -156,10 +150,10 @@ def every_master_mode_into_stock(rank, root, state_dtype):
                     assert got.dtype == torch.bfloat16, f"{what}: stock keeps bf16 moments for bf16 params"
                     assert torch.equal(bits(got), bits(decoded[i][key].to(torch.bfloat16))), f"{what}: {key} of param {i}"
                 assert float(stock.state[q]["step"]) == 2
-            train(model, stock, rank, 1, first=2)  # and stock trains on
+            train_sharded(model, stock, rank, 1, first=2)  # and stock trains on
             assert all(torch.isfinite(local(p)).all() for p in model.parameters())
         for source, what in ((path, f"{mode} -> default mode"), (f"{path}-torch", f"{mode} in torch's form -> default mode")):
-            model = sharded(bf16_model())
+            model = sharded(interchange_bf16_model())
             opt = fused(model, None, None)
             load_with(ampfused.checkpoint.dcp_load, source, model, opt)
             opt.state_dict()  # (masters left to the params are taken by now)
@@ -199,19 +193,19 @@ def _stale_master_worker(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    source_model = sharded(bf16_model())
+    source_model = sharded(interchange_bf16_model())
     source = fused(source_model, None, None)
-    train(source_model, source, rank, 2)
-    stock_model = sharded(bf16_model())
+    train_sharded(source_model, source, rank, 2)
+    stock_model = sharded(interchange_bf16_model())
     stock_model.load_state_dict(source_model.state_dict())
     stock = torch.optim.AdamW(stock_model.parameters(), **HYPER)
     set_optimizer_state_dict(stock_model, stock, get_optimizer_state_dict(source_model, source))
     assert all(stock.state[p]["master_param"].dtype == torch.bfloat16 for p in stock_model.parameters())
-    train(stock_model, stock, rank, 3, first=2)
+    train_sharded(stock_model, stock, rank, 3, first=2)
     carried = [(stock.state[p]["master_param"], p) for p in stock_model.parameters()]
     assert all(not torch.equal(local(m).float(), local(p).float()) for m, p in carried), "the test needs stale masters"
-    save(f"{root}/stale", stock_model, stock)
-    model = sharded(bf16_model())
+    save_dcp(f"{root}/stale", stock_model, stock)
+    model = sharded(interchange_bf16_model())
     opt = fused(model, None, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -220,7 +214,7 @@ def _stale_master_worker(rank, world, root):
     assert len(stale) == 1, f"one warning, got {[str(w.message) for w in caught]}"
     check_masters_are_params(model, opt, "dcp_load")
     # plain dcp.load casts the bf16 master into the fp32 one asked for: not seen, but not taken either
-    model = sharded(bf16_model())
+    model = sharded(interchange_bf16_model())
     opt = fused(model, None, None)
     load_with(dcp.load, f"{root}/stale", model, opt)
     check_masters_are_params(model, opt, "dcp.load")
@@ -245,18 +239,18 @@ def _data_parallel_worker(rank, world, root):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = bf16_model()
+    model = interchange_bf16_model()
     opt = ampfused.FusedAmpAdamW(model.parameters(), **HYPER, backend=kernel_backend())
     wrapped = ampfused.distributed.data_parallel(model, opt)
     assert isinstance(wrapped, DDP), "the fallback wrapper is a DistributedDataParallel to code that asks"
-    train(wrapped, opt, rank, 2)
+    train_sharded(wrapped, opt, rank, 2)
     model_sd, optim_sd = get_state_dict(wrapped, opt)
     assert set(model_sd) == set(model.state_dict()), f"keys with a prefix: {sorted(model_sd)}"
     assert set(optim_sd["state"]) == {n for n, _ in model.named_parameters()}
-    save(f"{root}/dp", wrapped, opt)
+    save_dcp(f"{root}/dp", wrapped, opt)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved_state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
-    for name, into in (("unwrapped", bf16_model()), ("DDP", DDP(bf16_model())), ("FSDP2", sharded(bf16_model()))):
+    for name, into in (("unwrapped", interchange_bf16_model()), ("DDP", DDP(interchange_bf16_model())), ("FSDP2", sharded(interchange_bf16_model()))):
         loaded = ampfused.FusedAmpAdamW(into.parameters(), **HYPER, backend=kernel_backend(), fp32_grad_accumulation=False)
         load_with(dcp.load, f"{root}/dp", into, loaded)
         loaded.state_dict()  # (masters pending from the params, if any, are taken now)

@@ -15,6 +15,8 @@ import torch
 
 import ampfused
 from dist_utils import rank_backends, rank_device, requires_gloo, run
+from helpers import bits
+from test_fsdp2 import full
 
 pytestmark = requires_gloo
 STEPS = 3
@@ -26,7 +28,7 @@ BF16_MODES = [("fp32", "int8", False), ("split16", "int8", False), ("split8", "i
 MP_MODES = [(None, "int8", False), (None, torch.bfloat16, True)]
 
 
-def make_model(dtype, sharded, mp_policy=None):
+def compact_mlp(dtype, sharded, mp_policy=None):
     from helpers import mlp
 
     model = mlp(*WIDTHS, dtype=dtype, device=rank_device())
@@ -40,7 +42,7 @@ def make_model(dtype, sharded, mp_policy=None):
     return model
 
 
-def make_opt(model, mode, backend):
+def compact_opt(model, mode, backend):
     master_weights, state_dtype, sr = mode
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (an option with no effect on fp32 params warns; not what this tests)
@@ -55,7 +57,7 @@ def global_grad(p, step, i):
     return (torch.randn(tuple(p.shape), generator=g) * 1e-2).to(device=rank_device(), dtype=p.dtype)
 
 
-def train(model, opt, rank, sharded, steps=STEPS, first=0):
+def train_on_global_grads(model, opt, rank, sharded, steps=STEPS, first=0):
     """A forward and backward through the (sharded) model, then the global gradients in its place: the
     optimizer sees what one process would, whatever FSDP2's reduction rounded."""
     from torch.distributed.tensor import distribute_tensor
@@ -71,16 +73,9 @@ def train(model, opt, rank, sharded, steps=STEPS, first=0):
         opt.zero_grad()
 
 
-def full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def bits(t):
-    t = t.detach().cpu()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.dim() else t
-
-
-def assert_same_state(expected: dict, actual: dict, what: str):
+def assert_same_gathered(expected: dict, actual: dict, what: str):
     """{name: {key: tensor}} bitwise, key sets included."""
     assert expected.keys() == actual.keys(), f"{what}: params {sorted(actual)} != {sorted(expected)}"
     for name, state in expected.items():
@@ -103,18 +98,18 @@ def gathered_state(model, opt):
 def compare_to_one_process(rank, world, backend, mode, mp_policy):
     dtype = torch.float32 if mp_policy is not None else torch.bfloat16
     what = f"{mode} mp={mp_policy is not None} backend={backend} world={world} rank={rank}"
-    sharded = make_model(dtype, True, mp_policy)
-    opt = make_opt(sharded, mode, backend)
-    one = make_model(dtype, False)
-    one_opt = make_opt(one, mode, backend)
-    train(sharded, opt, rank, True)
-    train(one, one_opt, rank, False)
+    sharded = compact_mlp(dtype, True, mp_policy)
+    opt = compact_opt(sharded, mode, backend)
+    one = compact_mlp(dtype, False)
+    one_opt = compact_opt(one, mode, backend)
+    train_on_global_grads(sharded, opt, rank, True)
+    train_on_global_grads(one, one_opt, rank, False)
     expected = gathered_state(one, one_opt)
     if mode[1] == "int8":
         assert any(k.endswith("_codes") for s in expected.values() for k in s), f"{what}: the test must hold int8 codes"
         scales = next(v for p in sharded.parameters() for k, v in opt.state[p].items() if k.endswith("_scales"))
         assert type(scales).__name__ == "DTensor", f"{what}: int8 scales of a DTensor param must be a DTensor"
-    assert_same_state(expected, gathered_state(sharded, opt), what)
+    assert_same_gathered(expected, gathered_state(sharded, opt), what)
     return sharded, opt, one, one_opt
 
 
@@ -127,7 +122,7 @@ def check_full_state_dict(model, opt, one_opt, what):
     names = [n for n, _ in model.named_parameters()]
     one_sd = one_opt.state_dict()["state"]
     expected = {names[i]: {k: v for k, v in s.items()} for i, s in one_sd.items()}
-    assert_same_state(expected, {n: dict(s) for n, s in sd["state"].items()}, f"{what}: full_state_dict")
+    assert_same_gathered(expected, {n: dict(s) for n, s in sd["state"].items()}, f"{what}: full_state_dict")
     for state in opt.state.values():
         for key, value in state.items():
             assert value.dtype != torch.int16, f"{what}: {key} is int16, which collectives cannot move"
@@ -163,16 +158,16 @@ def _reshard_worker(rank, world, root):
     backend = [b for b in rank_backends() if b != "triton"][-1]
     for n, mode in enumerate(BF16_MODES):
         expected = torch.load(f"{root}/mode{n}.expected.pt", weights_only=True)
-        model = make_model(torch.bfloat16, True)
-        opt = make_opt(model, mode, backend)
-        train(model, opt, rank, True, steps=1, first=7)  # state laid out (other values, overwritten by the load)
+        model = compact_mlp(torch.bfloat16, True)
+        opt = compact_opt(model, mode, backend)
+        train_on_global_grads(model, opt, rank, True, steps=1, first=7)  # state laid out (other values, overwritten by the load)
         with torch.no_grad():  # the model's own checkpoint: split masters are completed by these params
             for name, p in model.named_parameters():
                 p.copy_(distribute_tensor(expected[name]["param"].to(p.device), p.device_mesh, p.placements))
         optim_sd = get_optimizer_state_dict(model, opt)
         dcp.load({"optim": optim_sd}, checkpoint_id=f"{root}/mode{n}")
         set_optimizer_state_dict(model, opt, optim_state_dict=optim_sd)
-        assert_same_state(expected, gathered_state(model, opt), f"{mode}: saved on 2 ranks, loaded on {world}")
+        assert_same_gathered(expected, gathered_state(model, opt), f"{mode}: saved on 2 ranks, loaded on {world}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

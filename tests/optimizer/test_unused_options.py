@@ -17,7 +17,7 @@ from helpers import DEVICE
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
-def _params(*dtypes):
+def _params_of_dtypes(*dtypes):
     torch.manual_seed(0)
     return [torch.nn.Parameter(torch.randn(8, 4, device=DEVICE).to(dtype)) for dtype in dtypes]
 
@@ -40,7 +40,7 @@ NO_EFFECT = [
                               for ds, o, _ in NO_EFFECT])
 def test_an_option_with_no_effect_warns_once_saying_why(dtypes, options, match):
     with pytest.warns(UnusedOptionWarning) as record:
-        ampfused.FusedAmpAdamW(_params(*dtypes), **options)
+        ampfused.FusedAmpAdamW(_params_of_dtypes(*dtypes), **options)
     assert len(record) == 1, [str(w.message) for w in record]
     message = str(record[0].message)
     assert re.search(match, message), message
@@ -50,7 +50,7 @@ def test_an_option_with_no_effect_warns_once_saying_why(dtypes, options, match):
 
 def test_every_option_without_effect_gets_its_own_warning():
     with pytest.warns(UnusedOptionWarning) as record:
-        ampfused.FusedAmpAdamW(_params(F32), master_weights="split16", stochastic_rounding=True,
+        ampfused.FusedAmpAdamW(_params_of_dtypes(F32), master_weights="split16", stochastic_rounding=True,
                                fp32_grad_accumulation=True)
     assert sorted(str(w.message).split(" has no effect")[0] for w in record) == [
         "ampfused: fp32_grad_accumulation=True", 'ampfused: master_weights="split16"', "ampfused: stochastic_rounding=True"]
@@ -67,7 +67,7 @@ def test_every_option_without_effect_gets_its_own_warning():
 def test_options_that_act_do_not_warn(dtypes, options):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnusedOptionWarning)
-        ampfused.FusedAmpAdamW(_params(*dtypes), **options)
+        ampfused.FusedAmpAdamW(_params_of_dtypes(*dtypes), **options)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -93,7 +93,7 @@ def test_the_stochastic_rounding_warning_agrees_with_what_the_step_rounds(backen
 
 def test_the_repr_is_unchanged_and_copies_do_not_warn_again():
     with pytest.warns(UnusedOptionWarning):
-        opt = ampfused.FusedAmpAdamW(_params(F32), master_weights="split16")
+        opt = ampfused.FusedAmpAdamW(_params_of_dtypes(F32), master_weights="split16")
     assert "split16 master weights: 0 of 0 fp16/bf16 params" in repr(opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnusedOptionWarning)
@@ -104,8 +104,8 @@ def test_the_repr_is_unchanged_and_copies_do_not_warn_again():
 def test_a_param_group_added_later_uses_the_option_it_warned_about(backend):
     """The warning says add_param_group may make the option meaningful: it does, and nothing refuses it."""
     with pytest.warns(UnusedOptionWarning, match="split16"):
-        opt = ampfused.FusedAmpAdamW(_params(F32), master_weights="split16", backend=backend)
-    (late,) = _params(BF16)
+        opt = ampfused.FusedAmpAdamW(_params_of_dtypes(F32), master_weights="split16", backend=backend)
+    (late,) = _params_of_dtypes(BF16)
     opt.add_param_group({"params": [late]})
     late.grad = torch.full_like(late, 1e-3, dtype=torch.float32)
     opt.step()
