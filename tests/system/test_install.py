@@ -111,7 +111,9 @@ def test_editable_install_maps_the_kernels_to_the_checkout(checkout, tmp_path):
     assert mapping == {"ampfused": str(checkout / "ampfused"), "ampfused.kernels": str(checkout / "kernels")}
     # the install's .pth imports its finder module, which has the name of the environment's own: that
     # one is dropped from sys.modules and the target searched first
-    setup = (f"sys.path.insert(0, {str(target)!r})\n"
+    # (an environment whose own install is strict puts its link tree on sys.path instead: dropped too)
+    setup = ("sys.path[:] = [p for p in sys.path if '__editable__' not in p]\n"
+             f"sys.path.insert(0, {str(target)!r})\n"
              "for m in [m for m in sys.modules if m.startswith('__editable__')]: del sys.modules[m]\n"
              f"import site; site.addsitedir({str(target)!r})")
     result = _probe(setup, cwd=tmp_path)
