@@ -124,6 +124,7 @@ def test_empty_params():
         ampfused.FusedAmpAdamW([])
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # torch's, at making the complex32 tensor
 def test_unsupported_dtype():  # (float64 and complex params train: tests/optimizer/test_wide_params.py)
     with pytest.raises(ValueError, match="torch.int32 is not supported"):
         ampfused.FusedAmpAdamW([torch.zeros(3, dtype=torch.int32)])
