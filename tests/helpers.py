@@ -1,4 +1,5 @@
 """Helpers shared by the semantic tests: tolerances per backend, state comparison, models and loops."""
+import io
 import math
 import warnings
 from pathlib import Path
@@ -142,6 +143,24 @@ def random_grads(params, seed, scale=1.0):
 def clone_compact(entry):
     param, grad, state = entry
     return param.clone(), grad.clone(), {k: t.clone() for k, t in state.items()}
+
+
+def through_disk(obj):
+    """``obj`` after ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint file gives it back."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def load_in_order(model, opt, model_sd, opt_sd, order):
+    """A resumed script's loads: ``order`` "model first" or "optimizer first" (torch allows either)."""
+    if order == "model first":
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+    else:
+        opt.load_state_dict(opt_sd)
+        model.load_state_dict(model_sd)
 
 
 def bits(t):

@@ -4,7 +4,6 @@ loads into torch, DCP round-trips, a mismatched mode is refused before any write
 survive repr, pickle and deepcopy."""
 import contextlib
 import copy
-import io
 import pickle
 
 import pytest
@@ -14,7 +13,7 @@ import ampfused
 from ampfused import _compact as C
 from ampfused.checkpoint import to_torch_state_dict
 from helpers import (DEVICE, OPT_MODES, assert_bitwise_equal, clone_parameters, full_state, opt_params, run_steps, same_bits,
-                     snapshot)
+                     snapshot, through_disk)
 
 
 @pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
@@ -23,10 +22,7 @@ def test_state_dict_round_trips_bitwise(backend, master_weights, state_dtype):
     params = opt_params()
     opt = ampfused.FusedAmpAdamW(params, **kw)
     run_steps(opt, params, 2)  # every buffer of the mode is non-trivial after two steps
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = through_disk({"params": [p.detach() for p in params], "opt": opt.state_dict()})
     for i, entry in enumerate(saved["opt"]["state"].values()):  # the documented keys of the mode
         assert set(entry) == {"step"} | set(opt._state_room.keys(params[i], True)), entry.keys()
     restored_params = [torch.nn.Parameter(t.clone()) for t in saved["params"]]

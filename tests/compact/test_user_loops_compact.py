@@ -10,7 +10,6 @@ bit for bit on the reference backend, within one step of the encoding's grid els
 sum in another order, which can move a rounding across a grid point).
 """
 import copy
-import io
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused.checkpoint import to_torch_state_dict
-from helpers import DEVICE, backends_among, equal_bits, same_bits
+from helpers import DEVICE, backends_among, equal_bits, same_bits, through_disk
 
 MODES = [("fp32", None, False), ("split16", None, False), ("split8", None, False), (False, None, False),
          ("fp32", torch.bfloat16, False), ("split16", torch.bfloat16, True), ("fp32", "int8", False),
@@ -280,13 +279,6 @@ def test_state_bytes_are_the_documented_ones(mode):
 # ------------------------------------------------------------------ 2. checkpoints mid-run
 
 
-def save_load(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 def assert_same_run(model_a, opt_a, model_b, opt_b):
     for p, q in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(p, q)
@@ -302,7 +294,7 @@ def test_checkpoint_mid_run_continues_bitwise(backend, mode):
     sched = one_cycle(opt)
     torch.manual_seed(4)
     train_checked(model, opt, sched, 2)
-    ckpt = save_load({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+    ckpt = through_disk({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                       "rng": torch.get_rng_state()})
     train_checked(model, opt, sched, 2, first=2)
 
@@ -331,7 +323,7 @@ def test_torch_adamw_checkpoint_loads_into_each_mode_and_continues(mode, torch_d
         torch_opt.step()
         sched.step()
         torch_opt.zero_grad()
-    ckpt = save_load({"model": model.state_dict(), "opt": torch_opt.state_dict(), "sched": sched.state_dict()})
+    ckpt = through_disk({"model": model.state_dict(), "opt": torch_opt.state_dict(), "sched": sched.state_dict()})
     model2 = odd_sized_net()
     model2.load_state_dict(ckpt["model"])
     opt = optimizer(model2.parameters(), mode, "reference")
@@ -359,7 +351,7 @@ def test_to_torch_state_dict_continues_in_torch_and_in_fp32_mode(mode):
     train_checked(model, opt, sched, 3)
     params = list(model.parameters())
     sd = opt.state_dict()
-    torch_sd = save_load(to_torch_state_dict(sd, params))
+    torch_sd = through_disk(to_torch_state_dict(sd, params))
     ckpt_sched = sched.state_dict()
     # into torch.optim.AdamW over fp32 masters, and into ampfused's fp32 mode over a copy of the bf16 model
     masters = [torch.nn.Parameter(torch_sd["state"][i].get("master_param", p.detach().float()).clone()) for i, p in enumerate(params)]
@@ -423,7 +415,7 @@ def test_switching_modes_across_a_checkpoint_works_or_is_refused_cleanly(saved, 
     opt = optimizer(model.parameters(), saved, "reference")
     sched = one_cycle(opt)
     train_checked(model, opt, sched, 3)
-    ckpt = save_load({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
+    ckpt = through_disk({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
     model2 = odd_sized_net()
     model2.load_state_dict(ckpt["model"])
     opt2 = optimizer(model2.parameters(), loaded, "reference", lr=0.5)
@@ -522,7 +514,7 @@ def test_group_added_mid_run_survives_a_checkpoint(backend):
         opt.step()
         opt.zero_grad()
         if step == 3:
-            ckpt = save_load({"model": model.state_dict(), "extra": extra.detach().clone(), "opt": opt.state_dict()})
+            ckpt = through_disk({"model": model.state_dict(), "extra": extra.detach().clone(), "opt": opt.state_dict()})
     model2, extra2, opt2 = make()
     model2.load_state_dict(ckpt["model"])
     with torch.no_grad():
@@ -724,7 +716,7 @@ def test_empty_state_entries_of_peeked_params_load_and_convert(source):
     accumulate_grads(model, 0)
     opt.step()
     assert not opt.state[model.norm.weight]  # the peek: an empty entry
-    sd = save_load(opt.state_dict())
+    sd = through_disk(opt.state_dict())
     assert sd["state"][2] == {}
     converted = to_torch_state_dict(sd, params)
     assert converted["state"][2] == {}

@@ -1,13 +1,13 @@
 """Skipped steps leave everything bitwise unchanged; checkpoints round-trip and interoperate."""
 import copy
-import io
 import math
 
 import pytest
 import torch
 
 import ampfused
-from helpers import assert_bitwise_equal, assert_states_close, clone_params, make_params, random_grads, snapshot
+from helpers import (assert_bitwise_equal, assert_states_close, clone_params, make_params, random_grads, snapshot,
+                     through_disk)
 
 SHAPES = [(33, 5), (1025,), (1,)]
 
@@ -51,10 +51,7 @@ def test_state_dict_round_trip_through_torch_save(backend, device, dtype):
     params = make_params(SHAPES, dtype=dtype, device=device)
     opt = ampfused.FusedAmpAdamW(params, lr=1e-2, amsgrad=True, backend=backend)
     _train(opt, params, 4)
-    buffer = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = through_disk({"params": [p.detach() for p in params], "opt": opt.state_dict()})
 
     restored_params = [p.clone().requires_grad_() for p in saved["params"]]
     restored = ampfused.FusedAmpAdamW(restored_params, lr=0.5, backend=backend)

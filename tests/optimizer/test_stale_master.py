@@ -1,21 +1,20 @@
 """No stale master, ever (issue 34 item 7).
 
 A bf16 model's ampfused state goes to torch.optim.AdamW (``to_torch_state_dict`` with the params:
-fp32 masters_of in it), which casts the ``master_param`` it does not know to bf16 and carries it along,
+fp32 masters in it), which casts the ``master_param`` it does not know to bf16 and carries it along,
 never updated, for 20 steps. Loading that stock state dict back must not take the old master: the
 master is the param (bitwise), one warning says why, and the next step is the one a fresh fp32
 master gives (the same mode loaded without any master; for fp32 moments also torch.optim.AdamW on
-fp32 masters_of). State loaded the ordinary way, in either order, does not warn. Every backend, the
+fp32 masters). State loaded the ordinary way, in either order, does not warn. Every backend, the
 default mode and every compact one.
 """
-import io
 import warnings
 
 import pytest
 import torch
 
 import ampfused
-from helpers import bits, mlp, tol
+from helpers import bits, load_in_order, mlp, through_disk, tol
 
 # (master_weights, state_dtype): the default and every compact mode of a bf16 model
 MODES = [(None, None), ("split16", None), ("split8", None), (None, torch.bfloat16), (None, "int8")]
@@ -44,13 +43,6 @@ def train_steps(model, opt, steps, first=0):
         opt.zero_grad()
 
 
-def through_disk(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
 def ampfused_opt(model, backend, mode):
     master_weights, state_dtype = mode
     return ampfused.FusedAmpAdamW(model.parameters(), **HYPER, master_weights=master_weights, state_dtype=state_dtype,
@@ -76,22 +68,17 @@ def stock_state_after_training_on(device, backend, mode):
     stock = torch.optim.AdamW(params, **HYPER)
     stock.load_state_dict(torch_form)
     carried = [stock.state[p]["master_param"] for p in params]
-    assert all(m.dtype == torch.bfloat16 for m in carried), "the test needs torch's cast, stale masters_of"
+    assert all(m.dtype == torch.bfloat16 for m in carried), "the test needs torch's cast, stale masters"
     train_steps(model, stock, STOCK_STEPS, first=3)
     stale = [stock.state[p]["master_param"].float() for p in params]
-    assert any(not torch.equal(m, p.detach().float()) for m, p in zip(stale, params)), "the carried masters_of must be stale"
+    assert any(not torch.equal(m, p.detach().float()) for m, p in zip(stale, params)), "the carried masters must be stale"
     return through_disk(model.state_dict()), through_disk(stock.state_dict())
 
 
 def resume(device, backend, mode, model_sd, opt_sd, order):
     model = small_bf16_model(device, seed=1)  # other weights, as a resumed script builds them
     opt = ampfused_opt(model, backend, mode)
-    if order == "model first":
-        model.load_state_dict(model_sd)
-        opt.load_state_dict(opt_sd)
-    else:
-        opt.load_state_dict(opt_sd)
-        model.load_state_dict(model_sd)
+    load_in_order(model, opt, model_sd, opt_sd, order)
     return model, opt
 
 
@@ -128,7 +115,7 @@ def test_a_master_stock_adamw_carried_is_not_taken(backend, device, mode, order)
         for key in a:
             assert torch.equal(bits(a[key]), bits(b[key])), f"param {i}: {key} differs from the fresh-master step's"
 
-    if mode in EXACT_MODES:  # also torch.optim.AdamW on fp32 masters_of taken from the params
+    if mode in EXACT_MODES:  # also torch.optim.AdamW on fp32 masters taken from the params
         fp32 = [torch.nn.Parameter(v.float()) for v in model_sd.values()]  # (Sequential: state-dict order is params order)
         recipe = torch.optim.AdamW(fp32, **HYPER)
         recipe.load_state_dict(without_masters(stock_sd))  # fp32 params: torch keeps the moments in fp32
@@ -146,7 +133,7 @@ def test_a_master_stock_adamw_carried_is_not_taken(backend, device, mode, order)
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 def test_state_loaded_the_ordinary_way_does_not_warn(backend, device, mode, order):
-    """ampfused's own state dict and its torch form (fp32 masters_of), each loaded before or after the model."""
+    """ampfused's own state dict and its torch form (fp32 masters), each loaded before or after the model."""
     model = small_bf16_model(device)
     opt = ampfused_opt(model, backend, mode)
     train_steps(model, opt, 2)

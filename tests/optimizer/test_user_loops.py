@@ -4,7 +4,6 @@ The oracle is stock torch (torch.optim.AdamW on an identical copy of the model a
 fp32-master recipe written by hand for fp16/bf16 params); every test runs on every backend.
 """
 import copy
-import io
 from collections import defaultdict
 
 import pytest
@@ -12,7 +11,8 @@ import torch
 from torch.optim import lr_scheduler
 
 import ampfused
-from helpers import STATE_KEYS, assert_states_close, clone_params, make_params, mlp, random_grads, tol
+from helpers import (STATE_KEYS, assert_states_close, clone_params, load_in_order, make_params, mlp, random_grads,
+                     through_disk, tol)
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
 
@@ -67,13 +67,6 @@ def assert_like_torch(ref_opt, ref_model, opt, model, backend):
     for gr, ga in zip(ref_opt.param_groups, opt.param_groups, strict=True):
         for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
             assert torch.allclose(torch.as_tensor(ga[key], dtype=torch.float64), torch.as_tensor(gr[key], dtype=torch.float64)), key
-
-
-def state_dict_through_disk(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 # ------------------------------------------------------------------------------------------ confirmed bugs
@@ -200,18 +193,13 @@ def test_resuming_a_torch_adamw_checkpoint_does_not_depend_on_the_load_order(bac
         src(x).float().square().sum().backward()
         torch_opt.step()
         torch_opt.zero_grad()
-    model_sd, opt_sd = state_dict_through_disk(src.state_dict()), state_dict_through_disk(torch_opt.state_dict())
+    model_sd, opt_sd = through_disk(src.state_dict()), through_disk(torch_opt.state_dict())
     results = []
     for order in ("model first", "optimizer first"):
         torch.manual_seed(1)  # fresh weights, as a resumed script builds them
         model = torch.nn.Linear(4, 3).to(device=device, dtype=torch.bfloat16)
         opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
-        if order == "model first":
-            model.load_state_dict(model_sd)
-            opt.load_state_dict(opt_sd)
-        else:
-            opt.load_state_dict(opt_sd)
-            model.load_state_dict(model_sd)
+        load_in_order(model, opt, model_sd, opt_sd, order)
         model(x).float().square().sum().backward()
         opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
@@ -281,7 +269,7 @@ def test_resume_mid_training_through_torch_save_matches_an_uninterrupted_torch_r
     train(ref_model, ref, range(10))
     first_opt = make(src_cls, first)
     train(first, first_opt, range(5))
-    model_sd, opt_sd = state_dict_through_disk(first.state_dict()), state_dict_through_disk(first_opt.state_dict())
+    model_sd, opt_sd = through_disk(first.state_dict()), through_disk(first_opt.state_dict())
     _, resumed = twin_nets(device, seed=1)
     resumed.load_state_dict(model_sd)
     resumed_opt = make(dst_cls, resumed)
@@ -503,7 +491,7 @@ def test_pending_masters_of_a_torch_checkpoint_survive_a_copy_and_a_state_reset(
     for reset in (False, True):
         model = bf16_linear(device, seed=1)
         opt = ampfused.FusedAmpAdamW(model.parameters(), lr=1e-2, backend=backend)
-        opt.load_state_dict(state_dict_through_disk(torch_opt.state_dict()))
+        opt.load_state_dict(through_disk(torch_opt.state_dict()))
         model.load_state_dict(src.state_dict())  # after the optimizer's: the masters must come from these
         model, opt = copy.deepcopy((model, opt))
         if reset:
