@@ -14,7 +14,7 @@ from torch import Tensor
 from . import _backends, _dtensor
 from ._batch import check_tensor_lr
 from ._contract import (KERNEL_DTYPES, MASTER_DTYPE_NAMES, MASTER_MODE_OF_DTYPE, check_master_weights, encoding_for,
-                        master_mismatch, scales_shape)
+                        master_mismatch, moment_encoding, packed_shape, scales_shape)
 from ._layout import is_dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -110,16 +110,16 @@ def master_mode(master_weights) -> str:
 
 
 def state_encoding(state_dtype):
-    """``state_dtype`` as torch.float32, torch.bfloat16 or "int8" (DESIGN §9); raises on anything else."""
+    """``state_dtype`` as torch.float32, torch.bfloat16, "int8" or "int4" (DESIGN §9); raises on anything else."""
     if state_dtype is None or state_dtype is torch.float32:
         return torch.float32
-    if state_dtype is torch.bfloat16 or (isinstance(state_dtype, str) and state_dtype == "int8"):
+    if state_dtype is torch.bfloat16 or (isinstance(state_dtype, str) and state_dtype in ("int8", "int4")):
         return state_dtype
-    raise ValueError(f'state_dtype must be None, torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
+    raise ValueError(f'state_dtype must be None, torch.float32, torch.bfloat16, "int8" or "int4", got {state_dtype!r}')
 
 
 def state_dtype_name(moments) -> str:
-    """``state_encoding``'s value as ``repr`` shows it: float32, bfloat16 or int8."""
+    """``state_encoding``'s value as ``repr`` shows it: float32, bfloat16, int8 or int4."""
     return moments if isinstance(moments, str) else str(moments).replace("torch.", "")
 
 
@@ -143,12 +143,12 @@ def check_param_group(param_group: dict, defaults: dict, existing: list, check_p
 
 def check_param_modes(p, mode: str, moments, stochastic: bool = False) -> None:
     """A param the compact modes can serve: a split master completes the params of
-    ``_contract.MASTER_PARAM_DTYPES`` only (``_contract.check_master_weights``); blockwise int8 moments
-    and stochastic rounding of a DTensor need whole rows per shard ([note: blocks in rows])."""
+    ``_contract.MASTER_PARAM_DTYPES`` only (``_contract.check_master_weights``); blockwise int8 / int4
+    moments and stochastic rounding of a DTensor need whole rows per shard ([note: blocks in rows])."""
     check_master_weights(p, mode)
     if _dtensor.is_dtensor(p):
-        if moments == "int8" and encoding_for(p, mode, moments)[1] == "int8":
-            _dtensor.check_rows_sharded(p, 'state_dtype="int8" (blocks within rows)')
+        if moments in ("int8", "int4") and encoding_for(p, mode, moments)[1] == moments:
+            _dtensor.check_rows_sharded(p, f'state_dtype="{moments}" (blocks within rows)')
         if stochastic:
             _dtensor.check_rows_sharded(p, "stochastic_rounding=True (bits keyed by the element's index in the whole tensor)")
 
@@ -260,16 +260,20 @@ def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
         if master is not None and mode is None:
             raise ValueError(f"master_params[{i}] has dtype {master.dtype}: expected {MASTER_DTYPE_NAMES}")
         scales = moment_scales[i] if moment_scales is not None else None
-        if m.dtype == torch.int8:
+        kind = moment_encoding(m)
+        if kind in ("int8", "int4"):
             if v.dtype != torch.uint8 or (vmax is not None and vmax.dtype != torch.uint8):
-                raise ValueError(f"exp_avgs[{i}] holds int8 codes: exp_avg_sqs[{i}] (and max_exp_avg_sqs[{i}]) must be uint8 codes")
+                raise ValueError(f"exp_avgs[{i}] holds {kind} codes: exp_avg_sqs[{i}] (and max_exp_avg_sqs[{i}]) must be uint8 codes")
+            codes = tuple(p.shape) if kind == "int8" else packed_shape(p.shape)  # [note: int4 packing]
+            if any(t is not None and tuple(t.shape) != codes for t in (m, v, vmax)):
+                raise ValueError(f"tensor {i} has {kind} moments of a param of shape {tuple(p.shape)}: their codes take shape {codes}")
             blocks = scales_shape(p.shape)  # [note: blocks in rows]
             if (scales is None or len(scales) != 3 or any(s is not None and (s.dtype != torch.float32 or tuple(s.shape) != blocks) for s in scales)
                     or scales[0] is None or scales[1] is None or ((vmax is None) != (scales[2] is None))):
-                raise ValueError(f"tensor {i} has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
+                raise ValueError(f"tensor {i} has {kind} moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
                                  f"max_exp_avg_sq_scales or None), fp32 tensors of shape {blocks} (rows, blocks per row)")
         else:
             if scales is not None:
-                raise ValueError(f"moment_scales[{i}] is given but exp_avgs[{i}] is {m.dtype}, not int8 codes")
+                raise ValueError(f"moment_scales[{i}] is given but exp_avgs[{i}] is {m.dtype}, not int8 / int4 codes")
             if m.dtype in (torch.bfloat16, torch.float32) and (v.dtype != m.dtype or (vmax is not None and vmax.dtype != m.dtype)):
                 raise ValueError(f"exp_avgs[{i}] is {m.dtype} but exp_avg_sqs[{i}] is {v.dtype}: one state dtype per tensor")

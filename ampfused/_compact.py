@@ -63,6 +63,27 @@ decodes to NaN (its scale is not finite). Tensors under ``SMALL_TENSOR_NUMEL`` e
 moments (as bitsandbytes keeps small tensors in 32 bits): their scales would cost more than they save;
 so do 1-D tensors (biases, norms' weights), whose blocks a shard boundary could cut.
 
+**int4 moments** (``state_dtype="int4"``): the same blocks and fp32 scales as int8 (scale = block
+``max |m|`` / block ``max sqrt(v)``, so a ``Shard(0)`` shard holds whole blocks), 4-bit codes packed two
+per byte ([note: int4 packing] in ``_contract.py``). A code is the index of one of 16 levels in units of
+the scale ([note: int4 grids])::
+
+    y = m / scale  (exp_avg)   or   sqrt(v) / scale  (exp_avg_sq, max_exp_avg_sq; sqrt correctly rounded)
+    code(y) = #{i : y > BOUNDS[i]}       (15 ascending bounds: the fp32 midpoints of the levels;
+                                          a non-finite y counts as 0)
+    m' = LEVELS[code] * scale            v' = (LEVELS[code] * scale)^2
+
+[note: int4 grids] exp_avg takes the dynamic-exponent map of torchao and bitsandbytes (``INT4_SIGNED_LEVELS``:
+0, 1 and seven levels on each side from 0.0055 to 0.8875); sqrt(exp_avg_sq) an E3M1 grid without 0
+(``INT4_SQRT_LEVELS``: ``2^-e`` and ``0.75 2^-e``, ``e = 0 .. 7``), so ``v`` never decodes to 0 in a
+block whose maximum is not 0 (unless ``(0.0059 scale)^2`` underflows fp32, a block of ``v`` under
+2^-134): the "zero-point problem" of Li et al. (2023), where a ``v'`` of 0 under a non-zero ``m'`` sends
+the update to ``m' / eps``. The smallest level bounds an element's update to about
+``|m'| / (0.0059 max sqrt(v))``. Why these two: docs/results/int4-grids.md. Encoding is comparisons
+and decoding a 16-entry lookup, exact on every backend (the bounds are fp32 constants, ``y`` one
+correctly rounded division); ties (``y`` equal to a bound) take the lower level. A block with a
+non-finite element has a non-finite scale and decodes to non-finite values.
+
 **Compact state keys** (``opt.state[p]`` and ``state_dict()["state"][i]``):
 
 ==========================  ==========================  =============================================
@@ -77,6 +98,8 @@ key                         dtype, shape                when
 ``exp_avg_codes``           int8, p's shape             ``"int8"`` (and ``exp_avg_scales``, fp32 [r, nb])
 ``exp_avg_sq_codes``        uint8, p's shape            ``"int8"`` (and ``exp_avg_sq_scales``)
 ``max_exp_avg_sq_codes``    uint8, p's shape            ``"int8"``, amsgrad (and ``..._scales``)
+``exp_avg_codes`` (and the  uint8, p's shape with the   ``"int4"``: two codes per byte (and the same
+others of int8)             last dimension halved       ``..._scales`` as int8)
 ==========================  ==========================  =============================================
 
 ``r = p.shape[0]`` rows, ``nb = ceil(numel / r / BLOCK)`` blocks per row (``_contract.scales_shape``;
@@ -88,15 +111,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._contract import INT8_BLOCK as BLOCK
-from ._contract import (ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
+from ._contract import SCALE_BLOCK as BLOCK
+from ._contract import (INT4_SIGNED_BOUNDS, INT4_SIGNED_LEVELS, INT4_SQRT_BOUNDS, INT4_SQRT_LEVELS, ROUNDING_SEED_BITS, SIGNED_MANT, SIGNED_ONE, SMALL_TENSOR_NUMEL, SQRT_MANT, SQRT_ONE, SR_KEY_SALT,
                         SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT, MASTER_ENCODINGS, check_master_weights,
-                        block_rows, dtype_names, encoding_for, master_mismatch, moment_encoding, scales_shape)
+                        block_rows, dtype_names, encoding_for, master_mismatch, moment_encoding, packed_shape, scales_shape)
 from ._layout import is_dense
 
 __all__ = [
     "BLOCK", "SMALL_TENSOR_NUMEL", "split16", "join16", "split8", "join8", "round_bf16", "stochastic_round_bf16",
-    "random_words", "element_index", "draw_rounding_seed", "quantize", "dequantize", "adamw_math", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
+    "random_words", "element_index", "draw_rounding_seed", "quantize", "dequantize", "quantize4", "dequantize4", "pack4", "unpack4", "adamw_math", "is_compact_key", "init_state", "encode_state", "decode_state", "compact_adamw_step_",
 ]
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -355,6 +378,56 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
     return _unblock(out, codes.shape)
 
 
+# ------------------------------------------------------------------ int4 blockwise moments
+
+# the levels and bounds of the two 4-bit grids ([note: int4 grids])
+INT4_GRIDS = {"signed": (INT4_SIGNED_LEVELS, INT4_SIGNED_BOUNDS), "sqrt": (INT4_SQRT_LEVELS, INT4_SQRT_BOUNDS)}
+
+
+def pack4(codes: Tensor) -> Tensor:
+    """4-bit codes (integers in [0, 15], last dimension even) -> uint8 bytes of ``packed_shape``:
+    element 2i in the low nibble of byte i, 2i + 1 in the high one ([note: int4 packing])."""
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).view(packed_shape(codes.shape))
+
+
+def unpack4(packed: Tensor) -> Tensor:
+    """:func:`pack4`'s inverse: the codes as int64, the last dimension doubled."""
+    b = packed.to(torch.int64)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def quantize4(x: Tensor, kind: str, bounds=None) -> tuple[Tensor, Tensor]:
+    """fp32 moment (last dimension even) -> (packed uint8 codes of ``packed_shape(x.shape)``, fp32
+    per-block scales of ``scales_shape(x.shape)``); ``kind`` "signed" (exp_avg) or "sqrt" (exp_avg_sq,
+    max_exp_avg_sq; ``x >= 0``). ``bounds`` (15 ascending fp32 values) replace the grid's, and
+    :func:`dequantize4`'s ``levels`` its levels, for studies of other grids."""
+    bounds = INT4_GRIDS[kind][1] if bounds is None else bounds
+    blocks = _blocks(x)
+    if kind == "sqrt":
+        blocks = blocks.double().sqrt().float()  # correctly rounded, as sqrtf and the kernels' sqrt_rn
+    scales = blocks.abs().amax(dim=1)
+    y = blocks / scales[:, None]
+    y = torch.where(torch.isfinite(y), y, 0.0)
+    b = torch.tensor(bounds, dtype=torch.float32, device=x.device)
+    k = (y[..., None] > b).sum(dim=-1)
+    return pack4(_unblock(k, x.shape)), scales.view(scales_shape(x.shape))
+
+
+def dequantize4(codes: Tensor, scales: Tensor, kind: str, levels=None) -> Tensor:
+    """(packed codes, scales) -> fp32 moment of the unpacked shape (``codes``' last dimension doubled);
+    ``levels`` (16 fp32 values) replace the grid's."""
+    shape = tuple(codes.shape[:-1]) + (2 * codes.shape[-1],)
+    if tuple(scales.shape) != scales_shape(shape):
+        raise ValueError(f"{tuple(scales.shape)} scales for int4 codes of a {tuple(shape)} moment: the block grid "
+                         f"([note: blocks in rows]) has {scales_shape(shape)}")
+    table = torch.tensor(INT4_GRIDS[kind][0] if levels is None else levels, dtype=torch.float32, device=codes.device)
+    out = _blocks(table[unpack4(codes)]) * scales.reshape(-1, 1)
+    if kind == "sqrt":
+        out = out * out
+    return _unblock(out, shape)
+
+
 # ------------------------------------------------------------------ per-tensor state
 
 def is_compact_key(key: str) -> bool:
@@ -372,8 +445,8 @@ def _master_mode(param: Tensor, state: dict) -> str:
 def _check_modes(param: Tensor, master_weights: str, state_dtype) -> None:
     if master_weights not in ("fp32", "split16", "split8", "none"):
         raise ValueError(f'master_weights must be "fp32", "split16", "split8" or "none", got {master_weights!r}')
-    if state_dtype not in (torch.float32, torch.bfloat16, "int8"):
-        raise ValueError(f'state_dtype must be torch.float32, torch.bfloat16 or "int8", got {state_dtype!r}')
+    if state_dtype not in (torch.float32, torch.bfloat16, "int8", "int4"):
+        raise ValueError(f'state_dtype must be torch.float32, torch.bfloat16, "int8" or "int4", got {state_dtype!r}')
     check_master_weights(param, master_weights)  # the optimizer's rule and message (a split master's params)
 
 
@@ -382,6 +455,8 @@ def _encode_moment(state: dict, key: str, value: Tensor, mode: str, rand16: Tens
     bf16: stochastically with the 16-bit ``rand16``, or RNE without)."""
     if mode == "int8":
         state[key + "_codes"], state[key + "_scales"] = quantize(value, "signed" if key == "exp_avg" else "sqrt")
+    elif mode == "int4":
+        state[key + "_codes"], state[key + "_scales"] = quantize4(value, "signed" if key == "exp_avg" else "sqrt")
     elif mode == "bf16":
         state[key] = round_bf16(value) if rand16 is None else stochastic_round_bf16(value, rand16)
     else:
@@ -390,7 +465,8 @@ def _encode_moment(state: dict, key: str, value: Tensor, mode: str, rand16: Tens
 
 def _decode_moment(state: dict, key: str) -> Tensor | None:
     if key + "_codes" in state:
-        return dequantize(state[key + "_codes"], state[key + "_scales"], "signed" if key == "exp_avg" else "sqrt")
+        decode = dequantize4 if moment_encoding(state["exp_avg_codes"]) == "int4" else dequantize
+        return decode(state[key + "_codes"], state[key + "_scales"], "signed" if key == "exp_avg" else "sqrt")
     return state[key].float() if key in state else None
 
 

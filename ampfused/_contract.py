@@ -65,14 +65,37 @@ MASTER_SPLIT16 = 1  # low halves of the fp32 master (bf16 params), as bf16 bit p
 MASTER_SPLIT8 = 2   # int8 residuals in ulp(p)/256 (bf16 and fp16 params)
 MOMENT_F32 = 0      # fp32 exp_avg / exp_avg_sq / max_exp_avg_sq
 MOMENT_BF16 = 1     # bf16 moments (round to nearest even, or stochastic)
-MOMENT_INT8 = 2     # int8 exp_avg / uint8 exp_avg_sq codes, fp32 scales per INT8_BLOCK elements
-INT8_BLOCK = 256            # elements per int8 block (one fp32 scale each), within a row: [note: blocks in rows]
-SMALL_TENSOR_NUMEL = 4096   # tensors with fewer elements (or one dimension) keep fp32 moments under state_dtype="int8"
+MOMENT_INT8 = 2     # int8 exp_avg / uint8 exp_avg_sq codes, fp32 scales per SCALE_BLOCK elements
+MOMENT_INT4 = 3     # 4-bit codes of both moments, two per uint8 byte ([note: int4 packing]), fp32 scales per SCALE_BLOCK
+SCALE_BLOCK = 256            # elements per int8 / int4 block (one fp32 scale each), within a row: [note: blocks in rows]
+SMALL_TENSOR_NUMEL = 4096   # tensors with fewer elements (or one dimension) keep fp32 moments under "int8" / "int4"
 # The int8 code grids ([note: float-like grids] in ampfused/_compact.py): mantissa bits and the code of 1.0.
 SIGNED_MANT = 3   # exp_avg: sign + 4-bit exponent + 3-bit mantissa
 SIGNED_ONE = 120
 SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
 SQRT_ONE = 240
+# [note: int4 grids] The 4-bit grids (ampfused/_compact.py): 16 levels each, ascending, in units of the block
+# scale; a code is the index of its level. Chosen by measurement: docs/results/int4-grids.md.
+# exp_avg (scale max |m|): the dynamic-exponent map of torchao / bitsandbytes, sign + exponent + fraction
+INT4_SIGNED_LEVELS = (-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+                      0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0)
+# sqrt(exp_avg_sq) (scale max sqrt(v)): E3M1 without zero, 2^-e and 0.75 * 2^-e for e = 0 .. 7, so that v
+# never decodes to 0 in a block whose maximum is not 0 (the paper's zero-point problem)
+INT4_SQRT_LEVELS = tuple(sorted(f * 2.0 ** -e for e in range(8) for f in (0.75, 1.0)))
+
+
+
+def _fp32(x: float) -> float:
+    """``x`` rounded to fp32 (RNE), as a Python float."""
+    return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+# The levels as fp32, and the 15 decision bounds between neighbours (fp32 midpoints): a scaled value
+# y gets the code of how many bounds lie strictly below it ([note: int4 grids] in _compact.py).
+INT4_SIGNED_LEVELS = tuple(_fp32(x) for x in INT4_SIGNED_LEVELS)
+INT4_SQRT_LEVELS = tuple(_fp32(x) for x in INT4_SQRT_LEVELS)
+INT4_SIGNED_BOUNDS = tuple(_fp32((a + b) / 2) for a, b in zip(INT4_SIGNED_LEVELS, INT4_SIGNED_LEVELS[1:]))
+INT4_SQRT_BOUNDS = tuple(_fp32((a + b) / 2) for a, b in zip(INT4_SQRT_LEVELS, INT4_SQRT_LEVELS[1:]))
 
 # [note: rounding bits] Stochastic rounding's one counter-based hash (ampfused/_compact.py
 # random_words is its specification; csrc/compact_random.h, kernels/_compact_state.py the same in
@@ -112,9 +135,12 @@ SHARED = {
     "MASTER_F32": ("kMasterF32", "int32_t", ""), "MASTER_SPLIT16": ("kMasterSplit16", "int32_t", ""),
     "MASTER_SPLIT8": ("kMasterSplit8", "int32_t", ""), "MOMENT_F32": ("kMomentF32", "int32_t", ""),
     "MOMENT_BF16": ("kMomentBF16", "int32_t", ""), "MOMENT_INT8": ("kMomentInt8", "int32_t", ""),
-    "INT8_BLOCK": ("kBlock", "int", "compact"), "SMALL_TENSOR_NUMEL": ("kSmallTensorNumel", "int64_t", "compact"),
+    "MOMENT_INT4": ("kMomentInt4", "int32_t", ""),
+    "SCALE_BLOCK": ("kBlock", "int", "compact"), "SMALL_TENSOR_NUMEL": ("kSmallTensorNumel", "int64_t", "compact"),
     "SIGNED_MANT": ("kSignedMant", "int", "compact"), "SIGNED_ONE": ("kSignedOne", "int", "compact"),
     "SQRT_MANT": ("kSqrtMant", "int", "compact"), "SQRT_ONE": ("kSqrtOne", "int", "compact"),
+    "INT4_SIGNED_LEVELS": ("kInt4SignedLevels", "float[16]", "compact"), "INT4_SQRT_LEVELS": ("kInt4SqrtLevels", "float[16]", "compact"),
+    "INT4_SIGNED_BOUNDS": ("kInt4SignedBounds", "float[15]", "compact"), "INT4_SQRT_BOUNDS": ("kInt4SqrtBounds", "float[15]", "compact"),
     "ROUNDING_SEED_BITS": ("kRoundingSeedBits", "int", "compact"), "SR_MIX_MUL1": ("kMixMul1", "uint32_t", "compact"),
     "SR_MIX_MUL2": ("kMixMul2", "uint32_t", "compact"), "SR_KEY_SALT": ("kKeySalt", "uint32_t", "compact"),
     "SR_WORD0_SALT": ("kWord0Salt", "uint32_t", "compact"), "SR_WORD1_SALT": ("kWord1Salt", "uint32_t", "compact"),
@@ -135,6 +161,7 @@ MOMENT_ENCODINGS = {  # moment mode -> ((exp_avg dtype, exp_avg_sq / max_exp_avg
     "fp32": ((torch.float32, torch.float32), MOMENT_F32),
     "bf16": ((torch.bfloat16, torch.bfloat16), MOMENT_BF16),
     "int8": ((torch.int8, torch.uint8), MOMENT_INT8),
+    "int4": ((torch.uint8, torch.uint8), MOMENT_INT4),  # packed: [note: int4 packing]
 }
 MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode not listed: any param with a master)
     "split16": (torch.bfloat16,),
@@ -148,7 +175,8 @@ MASTER_PARAM_DTYPES = {  # master mode -> the param dtypes it completes (a mode 
 # (``_state_dict``, the same bits viewed).
 MASTER_LOW16_LEGACY_DTYPE = torch.int16
 MASTER_MODE_OF_DTYPE = {dtype: mode for mode, (dtype, _, _, _) in MASTER_ENCODINGS.items()}
-MOMENT_MODE_OF_DTYPE = {dtype: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items() for dtype in dtypes}
+# the mode of a tensor's moments by its exp_avg buffer's dtype (exp_avg_sq's uint8 is int8's and int4's)
+MOMENT_MODE_OF_DTYPE = {dtypes[0]: mode for mode, (dtypes, _) in MOMENT_ENCODINGS.items()}
 
 
 def dtype_names(dtypes) -> str:
@@ -175,8 +203,11 @@ MASTER_NEEDS = {mode: f"{MASTER_DESCRIPTIONS[mode]}, which needs a {dtype_names(
 # dtype / exp_avg_sq's where they differ); FLOAT_MOMENT_DTYPE_NAMES without the codes. (C++:
 # kMomentDtypeNames, kFloatMomentDtypeNames; Triton: MOMENT_DTYPE_NAMES.)
 def _moment_dtype_names(floats_only: bool) -> str:
-    return dtype_names(dtype_names([a]) if a == b else f"{dtype_names([a])} / {dtype_names([b])} codes"
-                       for (a, b), _ in MOMENT_ENCODINGS.values() if a.is_floating_point or not floats_only)
+    def name(a, b):
+        if a.is_floating_point:
+            return dtype_names([a])
+        return f"{dtype_names([a])} / {dtype_names([b])} codes" if a != b else f"{dtype_names([a])} 4-bit codes"
+    return dtype_names(name(a, b) for (a, b), _ in MOMENT_ENCODINGS.values() if a.is_floating_point or not floats_only)
 
 
 MOMENT_DTYPE_NAMES = _moment_dtype_names(floats_only=False)
@@ -215,8 +246,9 @@ def master_encoding(master: Tensor | None) -> str:
 
 
 def moment_encoding(exp_avg: Tensor) -> str:
-    """A moment buffer's mode by its dtype: "bf16", "int8" (int8 / uint8 codes) or "fp32" (fp32, and
-    the wide params' own dtypes, which the reference passes step in their dtype)."""
+    """A tensor's moment mode by its exp_avg buffer's dtype: "bf16", "int8" (int8 codes; exp_avg_sq
+    uint8), "int4" (uint8: packed 4-bit codes) or "fp32" (fp32, and the wide params' own dtypes, which
+    the reference passes step in their dtype)."""
     return MOMENT_MODE_OF_DTYPE.get(exp_avg.dtype, "fp32")
 
 
@@ -235,18 +267,22 @@ def compact_modes(param: Tensor, exp_avg: Tensor, master: Tensor | None, stochas
 
 def encoding_for(param: Tensor, master_weights: str, state_dtype) -> tuple[str, str]:
     """(master mode, moment mode) of a new state of ``param`` under the options (``master_weights``
-    "fp32" / "split16" / "split8" / "none", ``state_dtype`` torch.float32 / torch.bfloat16 / "int8"):
-    a master for 16-bit params only; int8 moments for tensors of two or more dimensions and
-    ``SMALL_TENSOR_NUMEL`` elements or more ([note: blocks in rows])."""
+    "fp32" / "split16" / "split8" / "none", ``state_dtype`` torch.float32 / torch.bfloat16 / "int8" /
+    "int4"): a master for 16-bit params only; int8 / int4 moments for tensors of two or more dimensions
+    and ``SMALL_TENSOR_NUMEL`` elements or more ([note: blocks in rows]), int4 only where the last
+    dimension is even ([note: int4 packing])."""
     master = master_weights if param.dtype in (torch.float16, torch.bfloat16) else "none"
-    if isinstance(state_dtype, str) and state_dtype == "int8":
-        moments = "int8" if param.dim() >= 2 and param.numel() >= SMALL_TENSOR_NUMEL else "fp32"
+    if isinstance(state_dtype, str) and state_dtype in ("int8", "int4"):
+        blockwise = param.dim() >= 2 and param.numel() >= SMALL_TENSOR_NUMEL
+        if state_dtype == "int4":
+            blockwise = blockwise and param.shape[-1] % 2 == 0
+        moments = state_dtype if blockwise else "fp32"
     else:
         moments = "bf16" if state_dtype is torch.bfloat16 else "fp32"
     return master, moments
 
 
-# [note: blocks in rows] Compact moments are blockwise: INT8_BLOCK consecutive elements (in the
+# [note: blocks in rows] Compact moments are blockwise: SCALE_BLOCK consecutive elements (in the
 # param's memory order) share one scale, and blocks start at every row: a row is a slice along dim 0,
 # ``row_numel = numel / shape[0]`` elements, whose last block may be short. FSDP2 shards params by
 # whole rows (``Shard(0)``), so a shard holds whole blocks and the scales, ``[rows, blocks per row]``,
@@ -272,11 +308,25 @@ def crosses_high_word(element_base: int, numel: int) -> bool:
 
 
 def scales_shape(shape) -> tuple[int, ...]:
-    """The shape of the per-block scales of a tensor of ``shape``: ``[rows, ceil(row_numel / INT8_BLOCK)]``,
+    """The shape of the per-block scales of a tensor of ``shape``: ``[rows, ceil(row_numel / SCALE_BLOCK)]``,
     or ``[blocks]`` for a 0-d or 1-d tensor."""
     rows, row_numel = block_rows(shape)
-    per_row = -(-row_numel // INT8_BLOCK)
+    per_row = -(-row_numel // SCALE_BLOCK)
     return (per_row,) if len(tuple(shape)) < 2 else (rows, per_row)
+
+
+# [note: int4 packing] int4 codes are two per byte: the codes of elements 2i and 2i + 1 (in row-major
+# order) are the low and high nibble of byte i, in a uint8 tensor of the param's shape with the last
+# dimension halved (``packed_shape``). The last dimension is even (``encoding_for``), so every row and
+# every block starts on a byte, a ``Shard(0)`` shard's codes are the unsharded tensor's rows, and the
+# codes alone give back the param's shape. Element k's code is in byte k // 2 of a contiguous tensor.
+def packed_shape(shape) -> tuple[int, ...]:
+    """The shape of the packed int4 codes of a tensor of ``shape`` (its last dimension even): that
+    dimension halved."""
+    shape = tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise ValueError(f"int4 codes pack pairs along the last dimension, which must be even: shape {shape}")
+    return shape[:-1] + (shape[-1] // 2,)
 
 
 # The kernels' dtype codes by torch dtype; its keys are the dtypes the kernels read and write.
@@ -309,11 +359,11 @@ UPDATE_TENSOR = (
     Field("max_exp_avg_sq", "float*", "nullptr without AMSGrad"),
     Field("master", "float*", "nullptr without a master copy; else fp32 or the encoding master_kind says"),
     Field("step", "float*", "one fp32 element, advanced once the update has read it"),
-    Field("exp_avg_scales", "float*", "MOMENT_INT8: the fp32 scale of each block (scales_shape); nullptr otherwise"),
+    Field("exp_avg_scales", "float*", "MOMENT_INT8 / MOMENT_INT4: the fp32 scale of each block (scales_shape); nullptr otherwise"),
     Field("exp_avg_sq_scales", "float*", ""),
     Field("max_exp_avg_sq_scales", "float*", ""),
     Field("numel", "int64_t", ""),
-    Field("row_numel", "int64_t", "MOMENT_INT8: elements per row; blocks start at each row ([note: blocks in rows])"),
+    Field("row_numel", "int64_t", "MOMENT_INT8 / MOMENT_INT4: elements per row; blocks start at each row ([note: blocks in rows])"),
     Field("element_base", "int64_t", "the index of element 0 in the whole tensor (a DTensor shard's offset, else 0): "
           "it keys the random bits with the element's own offset"),
     Field("param_dtype", "int32_t", "a DTYPE_ code"),

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _compact, _dtensor
 from ._args import LOW_PRECISION
-from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for, scales_shape
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MOMENT_ENCODINGS, encoding_for, packed_shape, scales_shape
 from ._layout import is_dense
 
 ALIGN_BYTES = 128
@@ -81,8 +81,8 @@ def uses_master(p: Tensor, master_weights) -> bool:
 def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.dtype]:
     """The flat state of a kernel-dtype ``p`` under the optimizer's modes: key -> dtype (``_compact``'s keys).
 
-    ``mode``/``moments``: ``_args.master_mode`` / ``_args.state_encoding`` of the options. ``*_scales``
-    keys are fp32 vectors of ``ceil(numel / BLOCK)`` blocks, every other key has ``p``'s shape.
+    ``mode``/``moments``: ``_args.master_mode`` / ``_args.state_encoding`` of the options. Shapes:
+    :func:`state_shape`.
     """
     names = MOMENTS if amsgrad else MOMENTS[:2]
     master_mode, moment_mode = encoding_for(p, mode, moments)  # [note: one encoding decision] in _contract
@@ -90,7 +90,7 @@ def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.
     keys = {}
     for name in names:
         dtype = dtypes[0] if name == "exp_avg" else dtypes[1]
-        if moment_mode == "int8":
+        if moment_mode in ("int8", "int4"):
             keys[name + "_codes"], keys[name + "_scales"] = dtype, torch.float32
         else:
             keys[name] = dtype
@@ -101,7 +101,7 @@ def state_keys(p: Tensor, mode: str, moments, amsgrad: bool) -> dict[str, torch.
 
 
 def moment_key(state: dict, name: str) -> str:
-    """The key holding moment ``name`` (``exp_avg``, ...) in ``state``: itself, or its int8 codes."""
+    """The key holding moment ``name`` (``exp_avg``, ...) in ``state``: itself, or its int8 / int4 codes."""
     return name if name in state or name + "_codes" not in state else name + "_codes"
 
 
@@ -114,7 +114,7 @@ def master_of(state: dict) -> Tensor | None:
 
 
 def scales_of(state: dict, amsgrad: bool) -> tuple | None:
-    """``(exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` of int8 moments, else None."""
+    """``(exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` of int8 / int4 moments, else None."""
     if "exp_avg_scales" not in state:
         return None
     return state["exp_avg_scales"], state["exp_avg_sq_scales"], state.get("max_exp_avg_sq_scales") if amsgrad else None
@@ -125,18 +125,22 @@ def is_tensor_key(key: str) -> bool:
     return key in MOMENT_KEYS or _compact.is_compact_key(key)
 
 
-def state_shape(p: Tensor, key: str) -> tuple[int, ...]:
-    """The shape of ``p``'s state tensor under ``key``: ``p``'s, or one fp32 scale per int8 block
-    (``[rows, blocks per row]``: ``_contract.scales_shape``)."""
-    return scales_shape(p.shape) if key.endswith("_scales") else tuple(p.shape)
-
-
-def _state_view(view: Tensor, p: Tensor, key: str) -> Tensor:
-    """The flat ``view`` as ``p``'s state under ``key``: a DTensor placed like ``p`` for a DTensor param
-    (the scales too: sharded by rows as the param, [note: blocks in rows] in ``_contract.py``)."""
+def state_shape(p: Tensor, key: str, moment_mode: str) -> tuple[int, ...]:
+    """The shape of ``p``'s state tensor under ``key`` when its moments are in ``moment_mode``: ``p``'s,
+    one fp32 scale per block (``[rows, blocks per row]``: ``_contract.scales_shape``), or for int4
+    codes ``p``'s with the last dimension halved (``_contract.packed_shape``)."""
     if key.endswith("_scales"):
-        return _dtensor.like_param(view, p, scales_shape(p.shape))
-    return _dtensor.like_param(view, p)
+        return scales_shape(p.shape)
+    if key.endswith("_codes") and moment_mode == "int4":
+        return packed_shape(p.shape)
+    return tuple(p.shape)
+
+
+def _state_view(view: Tensor, p: Tensor, key: str, moment_mode: str) -> Tensor:
+    """The flat ``view`` as ``p``'s state under ``key``: a DTensor placed like ``p`` for a DTensor param
+    (the scales and int4 codes too: sharded by rows as the param, [note: blocks in rows] in ``_contract.py``)."""
+    shape = state_shape(p, key, moment_mode)
+    return _dtensor.like_param(view, p, None if shape == tuple(p.shape) else shape)
 
 
 def _same_memory(value, view: Tensor) -> bool:
@@ -148,11 +152,10 @@ def _same_memory(value, view: Tensor) -> bool:
             and local.dtype == view.dtype)
 
 
-def _like(p: Tensor, key: str) -> Tensor:
-    """A meta tensor with the shape and strides the flat view of ``key`` takes for ``p``."""
-    if key.endswith("_scales"):
-        return torch.empty(state_shape(p, key), device="meta")
-    return p
+def _like(p: Tensor, key: str, moment_mode: str) -> Tensor:
+    """A meta tensor with the shape and strides the flat view of ``key`` takes for ``p`` (its local shard)."""
+    shape = state_shape(p, key, moment_mode)
+    return p if shape == tuple(p.shape) else torch.empty(shape, device="meta")
 
 
 class StateRoom:
@@ -191,6 +194,11 @@ class StateRoom:
         opt = self._owner()
         return state_keys(p, opt._master_mode, opt._moments, amsgrad)
 
+    def moment_mode(self, p: Tensor) -> str:
+        """The encoding of ``p``'s moments under the optimizer's options (``_contract.encoding_for``)."""
+        opt = self._owner()
+        return encoding_for(p, opt._master_mode, opt._moments)[1]
+
     def layout(self) -> None:
         """Allocate flat state for every param (old contents copied) and re-point the state views."""
         opt = self._owner()
@@ -206,7 +214,8 @@ class StateRoom:
             for key, dtype in self.keys(p, id(p) in amsgrad).items():
                 members.setdefault(key, []).append(p)
                 dtypes[key] = dtype
-        flat = {key: FlatBuffer([_like(t, key) for t in local(ps)], device, dtypes[key]) for key, ps in members.items()}
+        flat = {key: FlatBuffer([_like(t, key, self.moment_mode(p)) for t, p in zip(local(ps), ps)], device, dtypes[key])
+                for key, ps in members.items()}
         steps = torch.zeros(len(params), dtype=torch.float32, device=device)
         index = {p: i for i, p in enumerate(params)}
         slots = {key: {p: i for i, p in enumerate(ps)} for key, ps in members.items()}
@@ -222,7 +231,7 @@ class StateRoom:
                 if key != "step" and key in slots and p in slots[key]:
                     view = flat[key].views[slots[key][p]]
                     view.copy_(_dtensor.local(state[key]))
-                    state[key] = _state_view(view, p, key)
+                    state[key] = _state_view(view, p, key, self.moment_mode(p))
         self.flat, self.steps, self.index, self.slots, self.amsgrad = flat, steps, index, slots, amsgrad
         opt._plan = None  # the cached lists hold the old views
 
@@ -230,7 +239,7 @@ class StateRoom:
         """State ``key`` of ``p`` over the flat storage (a DTensor over the local view for a DTensor param)."""
         if p.dtype not in KERNEL_DTYPES:  # [note: wide params] a tensor of its own, in the param's dtype
             return torch.zeros_like(p, memory_format=torch.preserve_format)
-        return _state_view(self.flat[key].views[self.slots[key][p]], p, key)
+        return _state_view(self.flat[key].views[self.slots[key][p]], p, key, self.moment_mode(p))
 
     def init(self, p: Tensor, amsgrad: bool) -> None:
         """Lazy per-param state, as torch.optim.AdamW creates it at a param's first step.
@@ -265,7 +274,8 @@ class StateRoom:
         keys = list(self.keys(p, False))
         if any(p not in self.slots.get(key, {}) for key in keys):
             return True
-        return self.flat[keys[0]].views[self.slots[keys[0]][p]].shape != _dtensor.local(p).shape  # exp_avg (or its codes)
+        view = self.flat[keys[0]].views[self.slots[keys[0]][p]]  # exp_avg (or its codes)
+        return tuple(view.shape) != state_shape(_dtensor.local(p), keys[0], self.moment_mode(p))
 
     def check_entry(self, p: Tensor, state: dict | None) -> None:
         """A state entry a step can take, whatever the user assigned in it: its tensors under this
@@ -287,8 +297,8 @@ class StateRoom:
             if not isinstance(value, Tensor):
                 raise TypeError(f"{what} is a {type(value).__name__}, not a tensor")
             _dtensor.check_state(p, value, what)
-            shape = state_shape(p, key)
-            if value.shape != shape:
+            shape = state_shape(p, key, self.moment_mode(p))
+            if tuple(value.shape) != shape:
                 raise RuntimeError(
                     f"{what} has shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}: it takes "
                     f"shape {tuple(shape)} (after p.data = ... of another shape, reset its state first: "

@@ -19,8 +19,8 @@ import torch
 from torch.optim import Optimizer
 
 from . import _compact, _dtensor
-from ._contract import INT8_BLOCK as BLOCK
-from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MASTER_LOW16_LEGACY_DTYPE
+from ._contract import SCALE_BLOCK as BLOCK
+from ._contract import KERNEL_DTYPES, MASTER_ENCODINGS, MASTER_LOW16_LEGACY_DTYPE, moment_encoding
 from ._state import MOMENT_KEYS, is_tensor_key, master_of, state_shape
 
 # [note: implementation keys] torch.optim.AdamW's param groups carry these; code that indexes them
@@ -137,11 +137,13 @@ def _check_compact_entry(key, p, values: dict, keys_of) -> None:
             "Load it into an optimizer with the master_weights/state_dtype it was saved with, or expand it with "
             "ampfused.checkpoint.to_torch_state_dict(state_dict, params) and load that: every mode takes the fp32 form "
             "(a torch.distributed.checkpoint of another mode: load it with ampfused.checkpoint.dcp_load)")
+    codes = values.get("exp_avg_codes")
+    moment_mode = moment_encoding(codes) if codes is not None else "fp32"  # (the optimizer's own: checked above)
     for name, value in values.items():
         if name == "step" or not isinstance(value, torch.Tensor):
             continue
         _dtensor.check_state(p, value, f"state {name!r} of parameter {key}")
-        shape = state_shape(p, name)
+        shape = state_shape(p, name, moment_mode)
         if name.endswith("_scales") and value.dim() == 1 and len(shape) == 2 and value.numel() == -(-p.numel() // BLOCK):
             raise ValueError(
                 f"state {name!r} of parameter {key} has the int8 scales of compact format 1 (blocks of the flattened "
@@ -181,8 +183,9 @@ def apply(opt: Optimizer, checked: Checked) -> None:
             if name in values and name in state:
                 _dtensor.copy_state_(state[name], values[name])  # fp32, or RNE to bf16 moments
             elif name in values and name + "_codes" in state:
-                codes, scales = _compact.quantize(_dtensor.local(values[name]).to(p.device, torch.float32),
-                                                  "signed" if name == "exp_avg" else "sqrt")
+                quantize = _compact.quantize4 if room.moment_mode(p) == "int4" else _compact.quantize
+                codes, scales = quantize(_dtensor.local(values[name]).to(p.device, torch.float32),
+                                         "signed" if name == "exp_avg" else "sqrt")
                 _dtensor.copy_local_(state[name + "_codes"], codes)  # (local shards: codes and scales of whole rows)
                 _dtensor.copy_local_(state[name + "_scales"], scales)
         master = values.get("master_param")

@@ -174,7 +174,7 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
         param = by_index.get(index)
         if param is not None:
             param = param.detach()
-            shape = next((v.shape for k, v in entry.items() if k != "step" and isinstance(v, torch.Tensor) and not k.endswith("_scales")), None)
+            shape = _param_shape(entry)
             if shape is not None and tuple(shape) != tuple(param.shape):
                 raise ValueError(f"param for state {index} has shape {tuple(param.shape)}, its state {tuple(shape)}: params are not in state-dict order")
         kept = {k: v for k, v in entry.items() if not _compact.is_compact_key(k)}
@@ -185,6 +185,18 @@ def to_torch_state_dict(sd: dict, params=None) -> dict:
         originals = {id(v) for v in entry.values()}
         state[index] = {k: v.clone() if isinstance(v, torch.Tensor) and id(v) in originals else v for k, v in converted.items()}
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def _param_shape(entry: dict) -> tuple | None:
+    """The shape of the param an entry belongs to, from its moments, codes or master (int4 codes: the
+    last dimension doubled, [note: int4 packing]); None for an entry of only a step."""
+    for k, v in entry.items():
+        if k != "step" and isinstance(v, torch.Tensor) and not k.endswith("_scales"):
+            shape = tuple(v.shape)
+            if k.endswith("_codes") and _compact.moment_encoding(entry["exp_avg_codes"]) == "int4":
+                shape = shape[:-1] + (2 * shape[-1],)
+            return shape
+    return None
 
 
 def _decoded(entry: dict, param) -> dict:

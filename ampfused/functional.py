@@ -25,7 +25,8 @@ from torch import Tensor
 from . import _backends, _compact, _dtensor, reference
 from ._args import check_compact_lists, check_flag, check_grad, check_number, per_tensor
 from ._batch import Batch, Hyper, row_lr
-from ._contract import FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, crosses_high_word, finish_
+from ._contract import (FACTOR, NORM, SCRATCH_BYTES, SKIP, STATS_SIZE, SUMSQ, compact_modes, crosses_high_word, finish_,
+                        moment_encoding)
 from ._layout import is_dense
 from ._state import wide_indices
 
@@ -288,6 +289,8 @@ def fallback_indices(backend, params, exp_avgs, masters, moment_scales=None, sto
         return wide_indices(params)
     served = getattr(backend, "COMPACT_MODES", frozenset())
     wide = set(wide_indices(params)) | {i for i, p in enumerate(params) if not is_dense(p)}
+    # int4 codes are packed in the param's row-major order: the kernels step contiguous params only
+    wide |= {i for i, (p, m) in enumerate(zip(params, exp_avgs)) if moment_encoding(m) == "int4" and not p.is_contiguous()}
     for i, (p, m, master) in enumerate(zip(params, exp_avgs, masters)):
         if i not in wide and not compact_modes(p, m, master, stochastic) <= served:
             wide.add(i)

@@ -51,7 +51,7 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})  # every encoding of ``_compact``
+COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"})  # every encoding of ``_compact``
 
 
 def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | None = None,

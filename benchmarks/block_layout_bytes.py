@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from ampfused._contract import INT8_BLOCK, SMALL_TENSOR_NUMEL, scales_shape
+from ampfused._contract import SCALE_BLOCK, SMALL_TENSOR_NUMEL, scales_shape
 from ampfused.bench.configs import GPT2_124M, LLAMA_7B
 
 FP32_MOMENTS = 8  # bytes per element of fp32 exp_avg + exp_avg_sq
@@ -55,7 +55,7 @@ def moment_bytes(shape, layout: str) -> tuple[int, bool]:
     numel = math.prod(shape)
     if numel < SMALL_TENSOR_NUMEL or (layout == "rows" and len(shape) < 2):
         return FP32_MOMENTS * numel, False
-    blocks = -(-numel // INT8_BLOCK) if layout == "flat" else math.prod(scales_shape(shape))
+    blocks = -(-numel // SCALE_BLOCK) if layout == "flat" else math.prod(scales_shape(shape))
     return CODES * numel + 2 * SCALE * blocks, True
 
 

@@ -50,17 +50,19 @@ inline int32_t exp_avg_kind_of(c10::ScalarType type) {
     case c10::ScalarType::Float: return kMomentF32;
     case c10::ScalarType::BFloat16: return kMomentBF16;
     case c10::ScalarType::Char: return kMomentInt8;
+    case c10::ScalarType::Byte: return kMomentInt4;
     default: return -1;
   }
 }
 
-// _contract.MOMENT_ENCODINGS: the MOMENT_ code of an exp_avg_sq / max_exp_avg_sq buffer
-inline int32_t exp_avg_sq_kind_of(c10::ScalarType type) {
-  switch (type) {
-    case c10::ScalarType::Float: return kMomentF32;
-    case c10::ScalarType::BFloat16: return kMomentBF16;
-    case c10::ScalarType::Byte: return kMomentInt8;
-    default: return -1;
+// _contract.MOMENT_ENCODINGS: the dtype of exp_avg_sq / max_exp_avg_sq buffers of moment kind `kind`
+inline c10::ScalarType exp_avg_sq_dtype_of(int32_t kind) {
+  switch (kind) {
+    case kMomentF32: return c10::ScalarType::Float;
+    case kMomentBF16: return c10::ScalarType::BFloat16;
+    case kMomentInt8: return c10::ScalarType::Byte;
+    case kMomentInt4: return c10::ScalarType::Byte;
+    default: return c10::ScalarType::Undefined;
   }
 }
 
@@ -95,7 +97,7 @@ inline const char* master_description(int32_t master_kind) {
 // the dtypes of DTYPE_CODE, MASTER_ENCODINGS and MOMENT_ENCODINGS (all, or the float ones), for messages
 constexpr const char* kKernelDtypeNames = "float32, float16 or bfloat16";
 constexpr const char* kMasterDtypeNames = "float32 (fp32 master), bfloat16 (split16) or int8 (split8)";
-constexpr const char* kMomentDtypeNames = "float32, bfloat16 or int8 / uint8 codes";
+constexpr const char* kMomentDtypeNames = "float32, bfloat16, int8 / uint8 codes or uint8 4-bit codes";
 constexpr const char* kFloatMomentDtypeNames = "float32 or bfloat16";
 
 }  // namespace ampfused

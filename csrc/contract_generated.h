@@ -5,6 +5,13 @@
 
 #include <cstdint>
 
+// arrays live in device constant memory where CUDA compiles them (readable from device code)
+#if defined(__CUDACC__)
+#define AMPFUSED_CONSTANT __device__
+#else
+#define AMPFUSED_CONSTANT
+#endif
+
 namespace ampfused {
 
 constexpr int kStatsNorm = 0;  // _contract.NORM
@@ -35,14 +42,19 @@ constexpr int32_t kMasterSplit8 = 2;  // _contract.MASTER_SPLIT8
 constexpr int32_t kMomentF32 = 0;  // _contract.MOMENT_F32
 constexpr int32_t kMomentBF16 = 1;  // _contract.MOMENT_BF16
 constexpr int32_t kMomentInt8 = 2;  // _contract.MOMENT_INT8
+constexpr int32_t kMomentInt4 = 3;  // _contract.MOMENT_INT4
 
 namespace compact {
-constexpr int kBlock = 256;  // _contract.INT8_BLOCK
+constexpr int kBlock = 256;  // _contract.SCALE_BLOCK
 constexpr int64_t kSmallTensorNumel = 4096;  // _contract.SMALL_TENSOR_NUMEL
 constexpr int kSignedMant = 3;  // _contract.SIGNED_MANT
 constexpr int kSignedOne = 120;  // _contract.SIGNED_ONE
 constexpr int kSqrtMant = 4;  // _contract.SQRT_MANT
 constexpr int kSqrtOne = 240;  // _contract.SQRT_ONE
+AMPFUSED_CONSTANT constexpr float kInt4SignedLevels[16] = {-0.887499988079071f, -0.6625000238418579f, -0.4375f, -0.21250000596046448f, -0.07750000059604645f, -0.032499998807907104f, -0.005499999970197678f, 0.0f, 0.005499999970197678f, 0.032499998807907104f, 0.07750000059604645f, 0.21250000596046448f, 0.4375f, 0.6625000238418579f, 0.887499988079071f, 1.0f};  // _contract.INT4_SIGNED_LEVELS
+AMPFUSED_CONSTANT constexpr float kInt4SqrtLevels[16] = {0.005859375f, 0.0078125f, 0.01171875f, 0.015625f, 0.0234375f, 0.03125f, 0.046875f, 0.0625f, 0.09375f, 0.125f, 0.1875f, 0.25f, 0.375f, 0.5f, 0.75f, 1.0f};  // _contract.INT4_SQRT_LEVELS
+AMPFUSED_CONSTANT constexpr float kInt4SignedBounds[15] = {-0.7749999761581421f, -0.550000011920929f, -0.32499998807907104f, -0.14500001072883606f, -0.054999999701976776f, -0.01899999938905239f, -0.002749999985098839f, 0.002749999985098839f, 0.01899999938905239f, 0.054999999701976776f, 0.14500001072883606f, 0.32499998807907104f, 0.550000011920929f, 0.7749999761581421f, 0.9437500238418579f};  // _contract.INT4_SIGNED_BOUNDS
+AMPFUSED_CONSTANT constexpr float kInt4SqrtBounds[15] = {0.0068359375f, 0.009765625f, 0.013671875f, 0.01953125f, 0.02734375f, 0.0390625f, 0.0546875f, 0.078125f, 0.109375f, 0.15625f, 0.21875f, 0.3125f, 0.4375f, 0.625f, 0.875f};  // _contract.INT4_SQRT_BOUNDS
 constexpr int kRoundingSeedBits = 31;  // _contract.ROUNDING_SEED_BITS
 constexpr uint32_t kMixMul1 = 0x21F0AAADu;  // _contract.SR_MIX_MUL1
 constexpr uint32_t kMixMul2 = 0x735A2D97u;  // _contract.SR_MIX_MUL2
@@ -60,11 +72,11 @@ struct UpdateTensor {
   float* max_exp_avg_sq;  // nullptr without AMSGrad
   float* master;  // nullptr without a master copy; else fp32 or the encoding master_kind says
   float* step;  // one fp32 element, advanced once the update has read it
-  float* exp_avg_scales;  // MOMENT_INT8: the fp32 scale of each block (scales_shape); nullptr otherwise
+  float* exp_avg_scales;  // MOMENT_INT8 / MOMENT_INT4: the fp32 scale of each block (scales_shape); nullptr otherwise
   float* exp_avg_sq_scales;
   float* max_exp_avg_sq_scales;
   int64_t numel;
-  int64_t row_numel;  // MOMENT_INT8: elements per row; blocks start at each row ([note: blocks in rows])
+  int64_t row_numel;  // MOMENT_INT8 / MOMENT_INT4: elements per row; blocks start at each row ([note: blocks in rows])
   int64_t element_base;  // the index of element 0 in the whole tensor (a DTensor shard's offset, else 0): it keys the random bits with the element's own offset
   int32_t param_dtype;  // a DTYPE_ code
   int32_t grad_dtype;  // a DTYPE_ code

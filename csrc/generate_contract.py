@@ -35,6 +35,9 @@ def load_contract():
 
 
 def _cpp_value(value, ctype: str) -> str:
+    if ctype.endswith("]"):  # an array: "float[16]"
+        element = ctype[:ctype.index("[")]
+        return "{" + ", ".join(_cpp_value(v, element) for v in value) + "}"
     if ctype == "float":
         return f"{value!r}f"
     if ctype == "double":
@@ -52,11 +55,16 @@ def _py_value(value, ctype: str) -> str:
 
 def render_header(c) -> str:
     lines = [f"// {BANNER}", "//", "// ATen-free and CUDA-free: included by contract.h, which every C++ and CUDA file reaches.",
-             "#pragma once", "", "#include <cstdint>", "", "namespace ampfused {", ""]
+             "#pragma once", "", "#include <cstdint>", "",
+             "// arrays live in device constant memory where CUDA compiles them (readable from device code)",
+             "#if defined(__CUDACC__)", "#define AMPFUSED_CONSTANT __device__", "#else", "#define AMPFUSED_CONSTANT", "#endif", "",
+             "namespace ampfused {", ""]
     by_namespace: dict[str, list[str]] = {}
     for name, (cpp, ctype, namespace) in c.SHARED.items():
+        element, _, extent = ctype.partition("[")  # arrays: "float[16]" -> float kName[16]
+        declared = f"{element} {cpp}" + (f"[{extent}" if extent else "")
         by_namespace.setdefault(namespace, []).append(
-            f"constexpr {ctype} {cpp} = {_cpp_value(getattr(c, name), ctype)};  // _contract.{name}")
+            f"{'AMPFUSED_CONSTANT ' if extent else ''}constexpr {declared} = {_cpp_value(getattr(c, name), ctype)};  // _contract.{name}")
     lines += by_namespace.pop("")
     for namespace, body in by_namespace.items():
         lines += ["", f"namespace {namespace} {{"] + body + [f"}}  // namespace {namespace}"]
@@ -89,10 +97,12 @@ def _switch(name: str, source: str, doc: str, table: dict, c, prefix: str) -> li
 
 
 def _encoding_codes(c) -> tuple[dict, dict, dict]:
-    """The code of each stored dtype: (masters, exp_avg buffers, exp_avg_sq / max_exp_avg_sq buffers)."""
+    """(the code of each master dtype, the moment code of each exp_avg dtype, the exp_avg_sq /
+    max_exp_avg_sq dtype of each moment code): a tensor's exp_avg tells its moment encoding, whose
+    squares have one dtype (uint8 is int8's and int4's)."""
     masters = {dtype: code for dtype, code, _, _ in c.MASTER_ENCODINGS.values()}
     exp_avgs = {dtypes[0]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
-    squares = {dtypes[1]: code for dtypes, code in c.MOMENT_ENCODINGS.values()}
+    squares = {code: dtypes[1] for dtypes, code in c.MOMENT_ENCODINGS.values()}
     return masters, exp_avgs, squares
 
 
@@ -103,8 +113,11 @@ def _aten_tables(c) -> list[str]:
     lines += _switch("master_kind_of_storage", "MASTER_ENCODINGS", "the MASTER_ code of a master buffer", masters, c,
                      "MASTER_")
     lines += _switch("exp_avg_kind_of", "MOMENT_ENCODINGS", "the MOMENT_ code of an exp_avg buffer", exp_avgs, c, "MOMENT_")
-    lines += _switch("exp_avg_sq_kind_of", "MOMENT_ENCODINGS",
-                     "the MOMENT_ code of an exp_avg_sq / max_exp_avg_sq buffer", squares, c, "MOMENT_")
+    lines += ["// _contract.MOMENT_ENCODINGS: the dtype of exp_avg_sq / max_exp_avg_sq buffers of moment kind `kind`",
+              "inline c10::ScalarType exp_avg_sq_dtype_of(int32_t kind) {", "  switch (kind) {"]
+    lines += [f"    case {_code_name(c, 'MOMENT_', code)}: return c10::ScalarType::{ATEN_NAMES[dtype]};"
+              for code, dtype in squares.items()]
+    lines += ["    default: return c10::ScalarType::Undefined;", "  }", "}", ""]
     # the param dtypes a master completes (kinds not listed: any)
     completes = ["// _contract.MASTER_PARAM_DTYPES: whether a master of kind `master_kind` completes a `param` of that dtype",
                  "inline bool master_completes(int32_t master_kind, c10::ScalarType param) {", "  switch (master_kind) {"]
@@ -156,7 +169,7 @@ def _triton_tables(c) -> dict[str, str]:
         "MASTER_KIND_OF_DTYPE": table(masters.items()),
         "MOMENT_KIND_OF_DTYPES": table((f"({a}, {b})", code) for (a, b), code in c.MOMENT_ENCODINGS.values()),
         "EXP_AVG_KIND_OF_DTYPE": table(exp_avgs.items()),
-        "EXP_AVG_SQ_KIND_OF_DTYPE": table(squares.items()),
+        "EXP_AVG_SQ_DTYPE_OF_KIND": table(squares.items()),
         # keyed by the master's stored dtype, as the rows see it
         "MASTER_PARAM_DTYPES": table((c.MASTER_ENCODINGS[mode][0], "(" + ", ".join(map(str, dtypes)) + ("," if len(dtypes) == 1 else "") + ")")
                                      for mode, dtypes in c.MASTER_PARAM_DTYPES.items()),

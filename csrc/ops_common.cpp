@@ -34,22 +34,27 @@ void check_like(const at::Tensor& t, const at::Tensor& param, const char* what, 
               "] (both contiguous, or the same sizes and strides)");
 }
 
-// A moment buffer: float32, bfloat16 (state_dtype=torch.bfloat16), or with `int8_ok` int8 codes
-// (exp_avg) / uint8 codes (exp_avg_sq, max_exp_avg_sq) of state_dtype="int8".
-int32_t moment_kind_of(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, bool int8_ok) {
-  check_like(t, param, what, i);
-  const bool exp_avg = std::strcmp(what, "exp_avgs") == 0;
-  const int32_t kind = exp_avg ? exp_avg_kind_of(t.scalar_type()) : exp_avg_sq_kind_of(t.scalar_type());
-  // the codes of the other moment: an int8 buffer of the wrong signedness
-  const int32_t other = exp_avg ? exp_avg_sq_kind_of(t.scalar_type()) : exp_avg_kind_of(t.scalar_type());
-  if (kind == kMomentInt8 || other == kMomentInt8) {
-    TORCH_CHECK(int8_ok, "ampfused: ", what, "[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
-    TORCH_CHECK(kind == kMomentInt8, "ampfused: ", what, "[", i, "] is ", t.scalar_type(),
-                ": int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes");
+// The moment kind of tensor i, told by its exp_avg buffer: float32, bfloat16 (state_dtype=torch.bfloat16),
+// or with `int8_ok` int8 codes (state_dtype="int8"); its exp_avg_sq (and max_exp_avg_sq) must then be
+// of that kind's dtype (exp_avg_sq_dtype_of: uint8 codes for int8).
+int32_t moment_kind_of(const at::Tensor& exp_avg, const at::Tensor& param, size_t i, bool int8_ok) {
+  check_like(exp_avg, param, "exp_avgs", i);
+  const int32_t kind = exp_avg_kind_of(exp_avg.scalar_type());
+  TORCH_CHECK(kind != kMomentInt4, "ampfused: exp_avgs[", i, "] holds int4 moment codes (uint8): int4 moments are not served by these kernels");
+  if (kind == kMomentInt8) {
+    TORCH_CHECK(int8_ok, "ampfused: exp_avgs[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
   }
-  TORCH_CHECK(kind >= 0, "ampfused: ", what, "[", i, "] must be ", int8_ok ? kMomentDtypeNames : kFloatMomentDtypeNames,
-              ", got ", t.scalar_type());
+  TORCH_CHECK(kind >= 0, "ampfused: exp_avgs[", i, "] must be ", int8_ok ? kMomentDtypeNames : kFloatMomentDtypeNames,
+              ", got ", exp_avg.scalar_type());
   return kind;
+}
+
+// exp_avg_sq / max_exp_avg_sq of tensor i against its exp_avg's moment kind.
+void check_square(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, int32_t kind) {
+  check_like(t, param, what, i);
+  TORCH_CHECK(t.scalar_type() == exp_avg_sq_dtype_of(kind), "ampfused: ", what, "[", i, "] is ", t.scalar_type(),
+              " but exp_avgs[", i, "] takes ", exp_avg_sq_dtype_of(kind), " squares: a tensor's moments share one dtype",
+              " (int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes)");
 }
 
 // The fp32 block scales of tensor i's int8 codes (entry `slot` of its three in moment_scales).
@@ -187,10 +192,8 @@ UpdateCall collect_update(
     const bool amsgrad = (out.groups[groups[i]].flags & kFlagAmsgrad) != 0;
     check_like(grads[i], p, "grads", i);
     UpdateTensor t{};
-    t.moment_kind = moment_kind_of(exp_avgs[i], p, "exp_avgs", i, int8_moments);
-    TORCH_CHECK(moment_kind_of(exp_avg_sqs[i], p, "exp_avg_sqs", i, int8_moments) == t.moment_kind, "ampfused: exp_avg_sqs[", i,
-                "] is ", exp_avg_sqs[i].scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
-                ": a tensor's moments share one dtype");
+    t.moment_kind = moment_kind_of(exp_avgs[i], p, i, int8_moments);
+    check_square(exp_avg_sqs[i], p, "exp_avg_sqs", i, t.moment_kind);
     t.param = p.data_ptr();
     t.grad = grads[i].data_ptr();
     // a bf16 moment / split16 or split8 master travels in the record's float*
@@ -201,9 +204,7 @@ UpdateCall collect_update(
       const at::Tensor& vmax = max_exp_avg_sqs[i];
       TORCH_CHECK(present(vmax) || p.numel() == 0, "ampfused: max_exp_avg_sqs[", i, "] is empty (None) but its group uses amsgrad");
       if (p.numel() > 0) {
-        TORCH_CHECK(moment_kind_of(vmax, p, "max_exp_avg_sqs", i, int8_moments) == t.moment_kind, "ampfused: max_exp_avg_sqs[", i,
-                    "] is ", vmax.scalar_type(), " but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(),
-                    ": a tensor's moments share one dtype");
+        check_square(vmax, p, "max_exp_avg_sqs", i, t.moment_kind);
         t.max_exp_avg_sq = static_cast<float*>(vmax.data_ptr());
       }
     }

@@ -6,10 +6,10 @@ of ``compact.py`` (tested bitwise against ``ampfused/_compact.py``). Which encod
 a per-row code of the row table, uniform within a program; which encodings a launch can meet are
 constexprs, so a launch without compact tensors compiles to the plain kernel and never comes here.
 
-[note: int8 blocks] int8 moments have one scale per INT8_BLOCK consecutive elements. Chunks and
+[note: int8 blocks] int8 moments have one scale per SCALE_BLOCK consecutive elements. Chunks and
 blocks start on multiples of it within a tensor, so a block holds whole scale blocks: decode with
 the old scales (each element reads its own), update, take the new block maxima (NaN-propagating,
-as ``amax``) over a [BLOCK // INT8_BLOCK, INT8_BLOCK] view, encode, store codes and scales.
+as ``amax``) over a [BLOCK // SCALE_BLOCK, SCALE_BLOCK] view, encode, store codes and scales.
 Elements past the end of the tensor count as 0, as the specification's padding. The block itself
 stays 1-D with the contiguity hints of every other block: a 2-D tile carries none, and the
 compiler then moves every tensor of the launch with scalar accesses.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import compact as K
-from ._contract_generated import (DTYPE_F16, INT8_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
+from ._contract_generated import (DTYPE_F16, SCALE_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
                                   SR_KEY_SALT, SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
 from ._memory import typed_ptr
 
@@ -88,11 +88,11 @@ def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, 
         code = tl.load(typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
     # the scales of the block's scale blocks as scalars, spread by a select: a per-element gather
     # would hold a 64-bit address per element ([note: int8 blocks])
-    scale_ptr = scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK
+    scale_ptr = scale_addr.to(tl.pointer_type(tl.float32)) + first // SCALE_BLOCK
     scale = tl.load(scale_ptr)
-    for j in tl.static_range(1, offs.shape[0] // INT8_BLOCK):
-        scale = tl.where(offs >= first + j * INT8_BLOCK,
-                         tl.load(scale_ptr + j, mask=first + j * INT8_BLOCK < end, other=0.0), scale)
+    for j in tl.static_range(1, offs.shape[0] // SCALE_BLOCK):
+        scale = tl.where(offs >= first + j * SCALE_BLOCK,
+                         tl.load(scale_ptr + j, mask=first + j * SCALE_BLOCK < end, other=0.0), scale)
     if SIGNED:
         x = K.decode_exp_avg(code, scale)
     else:
@@ -138,18 +138,18 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
         value = tl.sqrt_rn(x)
     if mask is not None:
         value = tl.where(mask, value, 0.0)
-    # the block's [GROUPS, INT8_BLOCK] view only for the maxima ([note: int8 blocks]). With the sign
+    # the block's [GROUPS, SCALE_BLOCK] view only for the maxima ([note: int8 blocks]). With the sign
     # bit cleared, the int32 bit patterns are the magnitudes', which order as the floats do, NaN above
     # inf (clearing it here rather than with abs, whose sign on a NaN PTX leaves unspecified): their
     # integer maximum is amax's NaN-propagating one, and a built-in max, which the interpreter runs as
     # one numpy reduce instead of a Python call per element
-    GROUPS: tl.constexpr = x.shape[0] // INT8_BLOCK
-    bits = tl.reshape(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, INT8_BLOCK))
+    GROUPS: tl.constexpr = x.shape[0] // SCALE_BLOCK
+    bits = tl.reshape(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, SCALE_BLOCK))
     scale = tl.max(bits, 1).to(tl.float32, bitcast=True)
     blocks = tl.arange(0, GROUPS)
-    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // INT8_BLOCK + blocks, scale,
-             mask=first + blocks * INT8_BLOCK < end)
-    scale = tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, INT8_BLOCK)), (GROUPS * INT8_BLOCK,))
+    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // SCALE_BLOCK + blocks, scale,
+             mask=first + blocks * SCALE_BLOCK < end)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, SCALE_BLOCK)), (GROUPS * SCALE_BLOCK,))
     if SIGNED:
         tl.store(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale).to(tl.int8), mask=mask)
     else:

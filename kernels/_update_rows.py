@@ -15,7 +15,7 @@ import torch
 
 from . import _runtime, _tables
 from ._contract_generated import (
-    DTYPE_CODE, EXP_AVG_KIND_OF_DTYPE, EXP_AVG_SQ_KIND_OF_DTYPE, FLAG_AMSGRAD, INT8_BLOCK, MASTER_F32,
+    DTYPE_CODE, EXP_AVG_KIND_OF_DTYPE, EXP_AVG_SQ_DTYPE_OF_KIND, FLAG_AMSGRAD, SCALE_BLOCK, MASTER_F32,
     MASTER_KIND_OF_DTYPE, MASTER_NEEDS, MASTER_PARAM_DTYPES, MOMENT_DTYPE_NAMES, MOMENT_INT8, MOMENT_KIND_OF_DTYPES,
     U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX,
     U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE,
@@ -71,8 +71,9 @@ def tables_of(lists, grads, group_of, group_keys, device, scratch):
 _STATE_KINDS = MOMENT_KIND_OF_DTYPES
 _MASTER_KINDS = MASTER_KIND_OF_DTYPE
 _SPLIT_PARAMS = MASTER_PARAM_DTYPES
+_SQUARE_DTYPES = tuple(set(EXP_AVG_SQ_DTYPE_OF_KIND.values()))  # the dtypes exp_avg_sq / max_exp_avg_sq buffers take
 _FP32 = (torch.float32,)  # the step counts and the int8 block scales
-_SCALE_BLOCK = int(INT8_BLOCK)
+_SCALE_BLOCK = int(SCALE_BLOCK)
 
 
 def row_numel(p) -> int:
@@ -125,8 +126,8 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
         _tables.check(p, f"params[{i}]", device, low)  # (grads come checked: ampfused._args.check_grad)
-        for what, t, dtypes in ((f"exp_avgs[{i}]", m, EXP_AVG_KIND_OF_DTYPE), (f"exp_avg_sqs[{i}]", v, EXP_AVG_SQ_KIND_OF_DTYPE),
-                                (f"max_exp_avg_sqs[{i}]", vmax, EXP_AVG_SQ_KIND_OF_DTYPE), (f"masters[{i}]", master, _MASTER_KINDS)):
+        for what, t, dtypes in ((f"exp_avgs[{i}]", m, EXP_AVG_KIND_OF_DTYPE), (f"exp_avg_sqs[{i}]", v, _SQUARE_DTYPES),
+                                (f"max_exp_avg_sqs[{i}]", vmax, _SQUARE_DTYPES), (f"masters[{i}]", master, _MASTER_KINDS)):
             if t is not None:
                 _tables.check(t, what, device, dtypes)
                 if t.numel() != p.numel():

@@ -32,7 +32,7 @@ from . import _runtime, _tables, _update_rows
 from . import _compact_state as CS
 from ._contract_generated import (
     DTYPE_BF16, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR, G_LR_KIND,
-    G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, INT8_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
+    G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, SCALE_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
     LR_KIND_OF_DTYPE, MASTER_F32, MOMENT_INT8, ROUNDING_SEED_BITS, SKIP, U_ELEMENT_BASE, U_ROW_NUMEL, U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ,
     U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ,
     U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
@@ -48,10 +48,10 @@ LR_SLOTS = 4  # distinct float lrs passed as kernel arguments; more go into the 
 # every access of one shape the widest vector layout among them, and the stores of an unaligned
 # tensor, which move one element at a time, would then convert each value through shared memory
 # (and spill in the block loop). Half a block, still whole int8 scale blocks.
-UNALIGNED_BLOCK = tl.constexpr(max(_runtime.UPDATE_BLOCK // 2, int(INT8_BLOCK)))
+UNALIGNED_BLOCK = tl.constexpr(max(_runtime.UPDATE_BLOCK // 2, int(SCALE_BLOCK)))
 # [note: int8 blocks] (in _compact_state): chunks and blocks must hold whole scale blocks
-assert _runtime.CHUNK % int(INT8_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(INT8_BLOCK) == 0
-assert _runtime.UPDATE_BLOCK % int(UNALIGNED_BLOCK) == 0 and int(UNALIGNED_BLOCK) % int(INT8_BLOCK) == 0
+assert _runtime.CHUNK % int(SCALE_BLOCK) == 0 and _runtime.UPDATE_BLOCK % int(SCALE_BLOCK) == 0
+assert _runtime.UPDATE_BLOCK % int(UNALIGNED_BLOCK) == 0 and int(UNALIGNED_BLOCK) % int(SCALE_BLOCK) == 0
 
 
 @triton.jit
@@ -247,16 +247,16 @@ def _program_update(start, end, t, s, rk, aligned, param_dtype, BLOCK: tl.conste
 def _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr,
                    SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, SR: tl.constexpr):
     """int8 moments whose rows are no whole number of blocks ([note: blocks in rows]): ``[start, end)``
-    counts elements of rows padded to whole blocks; each block is one INT8_BLOCK tile at its row's
+    counts elements of rows padded to whole blocks; each block is one SCALE_BLOCK tile at its row's
     elements, masked past the row's end, whose scale is the block's index (``first`` of the tile in
     the padded count: the scale index ``_compact_state`` takes)."""
-    per_row = (row_numel + INT8_BLOCK - 1) // INT8_BLOCK
-    lanes = tl.arange(0, INT8_BLOCK)
-    block = start // INT8_BLOCK
-    while block < end // INT8_BLOCK:
-        in_row = block % per_row * INT8_BLOCK
+    per_row = (row_numel + SCALE_BLOCK - 1) // SCALE_BLOCK
+    lanes = tl.arange(0, SCALE_BLOCK)
+    block = start // SCALE_BLOCK
+    while block < end // SCALE_BLOCK:
+        in_row = block % per_row * SCALE_BLOCK
         offs = block // per_row * row_numel + in_row + lanes
-        _adamw_block(offs, lanes < row_numel - in_row, block * INT8_BLOCK, (block + 1) * INT8_BLOCK, t, s, rk,
+        _adamw_block(offs, lanes < row_numel - in_row, block * SCALE_BLOCK, (block + 1) * SCALE_BLOCK, t, s, rk,
                      param_dtype, False, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8, BF16_STATE, True, SR)
         block += 1
 
@@ -339,8 +339,8 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         # [note: blocks in rows] int8 blocks start at every row: rows that are no whole number of
         # blocks are chunked in rows padded to whole blocks (see _update_rows.work_numel) and stepped
         # one block at a time (_ragged_update); everything else in the tensor's own elements
-        ragged = INT8_STATE and t.moment_kind == MOMENT_INT8 and row_numel % INT8_BLOCK != 0 and row_numel != numel
-        padded_row = (row_numel + INT8_BLOCK - 1) // INT8_BLOCK * INT8_BLOCK
+        ragged = INT8_STATE and t.moment_kind == MOMENT_INT8 and row_numel % SCALE_BLOCK != 0 and row_numel != numel
+        padded_row = (row_numel + SCALE_BLOCK - 1) // SCALE_BLOCK * SCALE_BLOCK
         end = tl.minimum(start + CHUNK, numel)
         first = start
         if ragged:

@@ -223,15 +223,19 @@ def shifted(t, offset):
     return view
 
 
+BLOCKWISE = ("int8", "int4")  # the state_dtypes of blockwise codes and scales
+
+
 def compact_entry(n, param_dtype, master_weights, state_dtype, device, amsgrad=False, seed=0, offset=0):
     """(param, grad, compact state) on ``device`` with non-trivial moments and master; ``offset`` > 0
     makes every tensor a view that starts ``offset`` elements into its storage (no vector access).
-    ``n``: a shape, or a number of elements: int8 moments then take a ``[1, n]`` param, one row, whose
-    blocks are those of the flat vector (1-D params keep fp32 moments: [note: blocks in rows])."""
+    ``n``: a shape, or a number of elements: int8 / int4 moments then take a ``[1, n]`` param, one row,
+    whose blocks are those of the flat vector (1-D params keep fp32 moments: [note: blocks in rows];
+    int4 takes ``n`` rounded up to even: [note: int4 packing])."""
     from ampfused import _compact
 
     if isinstance(n, int):
-        n = (1, n) if state_dtype == "int8" else (n,)
+        n = (1, n + n % 2 if state_dtype == "int4" else n) if state_dtype in BLOCKWISE else (n,)
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)
     fp32_state = {"step": torch.tensor(float(seed % 5 + 2)), "exp_avg": torch.randn(n, generator=gen) * 0.1,
@@ -344,7 +348,7 @@ class Kernel:
 
         if size != "n":
             return size
-        return max(self.n, C.SMALL_TENSOR_NUMEL + 300) if state_dtype == "int8" else self.n
+        return max(self.n, C.SMALL_TENSOR_NUMEL + 300) if state_dtype in BLOCKWISE else self.n
 
     def entry(self, n, param_dtype, master_weights, state_dtype, amsgrad=False, seed=0, offset=0):
         return compact_entry(n, param_dtype, master_weights, state_dtype, self.device, amsgrad, seed, offset)
@@ -376,6 +380,11 @@ def _modes():
         (bf16, "none", "int8", "n", "no-master-int8"), (fp32, "fp32", "int8", "n", "fp32-int8"),
         (fp32, "fp32", "int8", C.SMALL_TENSOR_NUMEL, "fp32-int8-one-block-row"),
         (bf16, "split8", "int8", C.SMALL_TENSOR_NUMEL - 1, "below-int8-threshold"),
+        (bf16, "split16", "int4", "n", "split16-int4"), (bf16, "split8", "int4", "n", "split8-int4"),
+        (fp16, "split8", "int4", "n", "split8-fp16-int4"), (bf16, "fp32", "int4", "n", "fp32-master-int4"),
+        (bf16, "none", "int4", "n", "no-master-int4"), (fp32, "fp32", "int4", "n", "fp32-int4"),
+        (fp32, "fp32", "int4", C.SMALL_TENSOR_NUMEL, "fp32-int4-one-block-row"),
+        (bf16, "split8", "int4", C.SMALL_TENSOR_NUMEL - 2, "below-int4-threshold"),
     ]
     return [pytest.param(*row[:4], id=row[4]) for row in rows]
 
@@ -406,7 +415,8 @@ def encoded(twin, master_weights, state_dtype, like=()):
     for key in C.MOMENTS:
         if key + "_codes" in like and key in out:
             del out[key]
-            out[key + "_codes"], out[key + "_scales"] = C.quantize(state[key], "signed" if key == "exp_avg" else "sqrt")
+            quantize = C.quantize4 if state_dtype == "int4" else C.quantize
+            out[key + "_codes"], out[key + "_scales"] = quantize(state[key], "signed" if key == "exp_avg" else "sqrt")
     return param, grad, out
 
 
@@ -429,6 +439,8 @@ def assert_close_to_spec(kernel, actual, expected, what):
         elif kernel.spec_bitwise and key != "master_param":
             same_bits(got, want, f"{what} {key}")
         elif key.endswith("_codes"):
+            if C.moment_encoding(a_state["exp_avg_codes"]) == "int4":
+                got, want = C.unpack4(got), C.unpack4(want)
             assert (got.int() - want.int()).abs().max().item() <= 1, f"{what} {key}: a code more than one grid step off"
         elif got.dtype == torch.bfloat16:
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0, msg=f"{what} {key}")
@@ -481,7 +493,8 @@ OPT_SCALE = 1024.0  # a power of two: unscaling is exact on every backend
 
 
 OPT_MODES = [("fp32", None), ("split16", None), ("split8", None), (False, None), ("fp32", torch.bfloat16),
-         ("fp32", "int8"), ("split16", torch.bfloat16), ("split8", "int8"), (False, "int8"), (False, torch.bfloat16)]
+             ("fp32", "int8"), ("split16", torch.bfloat16), ("split8", "int8"), (False, "int8"), (False, torch.bfloat16),
+             ("fp32", "int4"), ("split16", "int4"), (False, "int4")]
 
 
 OPT_LOSSY = [m for m in OPT_MODES if m not in (("fp32", None), ("split16", None))]
@@ -489,7 +502,7 @@ OPT_LOSSY = [m for m in OPT_MODES if m not in (("fp32", None), ("split16", None)
 
 def modes_needed(master_weights, state_dtype, stochastic=False):
     modes = {"split16": {"split16"}, "split8": {"split8"}}.get(master_weights, set())
-    modes |= {torch.bfloat16: {"bf16"}, "int8": {"int8"}}.get(state_dtype, set())
+    modes |= {torch.bfloat16: {"bf16"}, "int8": {"int8"}, "int4": {"int4"}}.get(state_dtype, set())
     if stochastic:
         modes.add("sr")
     return modes

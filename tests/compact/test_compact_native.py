@@ -179,12 +179,12 @@ def _split8_kernel(m_ptr, bits_ptr, q_ptr, back_ptr, n, FP16: tl.constexpr, BLOC
 
 
 @triton.jit
-def _moment_kernel(x_ptr, scale_ptr, code_ptr, back_ptr, n, SIGNED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+def _moment_kernel(x_ptr, scale_ptr, code_ptr, back_ptr, n, SIGNED: tl.constexpr, SCALE_EVERY: tl.constexpr,
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    scale = tl.load(scale_ptr + offs // SCALE_BLOCK, mask=mask, other=1.0)
+    scale = tl.load(scale_ptr + offs // SCALE_EVERY, mask=mask, other=1.0)
     if SIGNED:
         code = K.encode_exp_avg(x, scale)
         back = K.decode_exp_avg(code, scale)
@@ -240,6 +240,6 @@ def test_triton_int8_moments(kind):
     codes, scales, decoded = spec_codes(x, kind)
     code, back = empty(x.numel()), empty(x.numel(), torch.float32)
     launch(_moment_kernel, x.numel(), x.to(DEVICE), scales.to(DEVICE), code, back, SIGNED=kind == "signed",
-           SCALE_BLOCK=C.BLOCK)
+           SCALE_EVERY=C.BLOCK)
     same_bits(code.cpu(), codes.to(torch.int32), f"{kind} codes")
     same_bits(back.cpu(), decoded, f"{kind} decoded")

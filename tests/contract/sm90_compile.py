@@ -329,14 +329,14 @@ def compact_updates(adamw, hyper, numels):
     stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
     import torch
     from ampfused._batch import Batch
-    from ampfused._contract import INT8_BLOCK, MASTER_ENCODINGS
+    from ampfused._contract import SCALE_BLOCK, MASTER_ENCODINGS
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
         p = torch.zeros(n, dtype=param_dtype)
         master = None if master_dtype is None else torch.zeros(n, dtype=master_dtype)
         if state_dtype == "int8":
             moments = [torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)]
-            blocks = -(-n // INT8_BLOCK)
+            blocks = -(-n // SCALE_BLOCK)
             scales = (torch.zeros(blocks), torch.zeros(blocks), None)
         else:
             moments, scales = [torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)], None

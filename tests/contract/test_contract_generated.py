@@ -48,7 +48,7 @@ def test_contract_is_consistent():
     assert sorted((c.MOMENT_F32, c.MOMENT_BF16, c.MOMENT_INT8)) == [0, 1, 2]
     assert c.SCRATCH_STATS_COUNTER + 4 <= c.SCRATCH_UPDATE_COUNTER and c.SCRATCH_UPDATE_COUNTER + 4 <= c.SCRATCH_PARTIALS
     assert c.SCRATCH_BYTES == c.SCRATCH_PARTIALS + 16 * c.SCRATCH_BLOCKS
-    assert c.SMALL_TENSOR_NUMEL % c.INT8_BLOCK == 0
+    assert c.SMALL_TENSOR_NUMEL % c.SCALE_BLOCK == 0
     assert c.SIGNED_ONE == (15 << c.SIGNED_MANT) and c.SQRT_ONE == (15 << c.SQRT_MANT)  # 1.0 is the top exponent
     for record in c.RECORDS:
         names = [f.name for f in getattr(c, record)]
@@ -185,7 +185,7 @@ def test_rules_catch_what_they_should():
     assert not hits('{"split8 (fp16)", kMasterSplit8, kMomentF32, kF16, false},', "cpp")  # a label
     assert not hits("kind = EXP_AVG_KIND_OF_DTYPE.get(m.dtype, int(MOMENT_F32))", "py")
     assert not hits("x = SKIP + 1  # slot 256 // 256", "py")
-    assert not hits("if lr_kind == LR_F16:\nfirst // INT8_BLOCK", "py")
+    assert not hits("if lr_kind == LR_F16:\nfirst // SCALE_BLOCK", "py")
     assert not hits("// one scale per 256 elements\nstruct UpdateRange : UpdateTensor {", "cpp")
 
 
