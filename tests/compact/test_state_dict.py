@@ -60,16 +60,32 @@ def test_torch_adamw_state_dict_loads_into_every_mode(backend, master_weights, s
         want = torch_sd["state"][i]
         assert decoded["step"].item() == 3.0
         for key in ("exp_avg", "exp_avg_sq"):
-            if state_dtype is None or (state_dtype == "int8" and p.numel() < C.SMALL_TENSOR_NUMEL):
+            kind = "signed" if key == "exp_avg" else "sqrt"
+            if state_dtype is None or "exp_avg_codes" not in opt.state[p]:  # (small tensors keep fp32 moments)
                 assert torch.equal(decoded[key], want[key])
             elif state_dtype is torch.bfloat16:
                 assert torch.equal(decoded[key], want[key].to(torch.bfloat16).float())
+            elif state_dtype == "int4":  # the spec's encoding, within half the grid's widest gap of the block maximum
+                assert torch.equal(decoded[key], C.dequantize4(*C.quantize4(want[key], kind), kind))
+                assert_within_int4_grid(decoded[key], want[key], kind)
             else:
                 torch.testing.assert_close(decoded[key], want[key], rtol=0.13, atol=1e-3 * want[key].abs().max().item())
         if master_weights is not False:  # a torch state has no master: the param is the master, exactly
             assert torch.equal(decoded["master_param"], p.detach().float())
     run_steps(opt, params, 2)
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def assert_within_int4_grid(decoded, value, kind):
+    """``decoded`` is ``value`` to the resolution of its int4 grid: each element within half the widest gap
+    between neighbouring levels (exp_avg: the gap next to 1, sqrt(exp_avg_sq): the one below it), in units
+    of the largest block maximum (sqrt(v) for exp_avg_sq)."""
+    levels = C.INT4_GRIDS[kind][0]
+    half_gap = max(b - a for a, b in zip(levels, levels[1:])) / 2
+    if kind == "sqrt":
+        decoded, value = decoded.sqrt(), value.sqrt()
+    bound = half_gap * value.abs().max().item() * (1 + 2 ** -20)  # (and the fp32 roundings of y and the decode)
+    assert (decoded - value).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
