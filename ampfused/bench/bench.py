@@ -84,6 +84,7 @@ MODE_GATE_NUMEL = 1_000_000
 def gated(name, case, data, args, device) -> dict:
     """The results of provider ``name`` after the gate's steps on ``case`` (built and dropped here)."""
     provider = providers.make(name, case, data, device)
+    torch.manual_seed(args.seed)  # stochastic rounding draws each step's seed from torch's generator: the same for both twins
     try:
         gate_steps(provider, args, device)
         return provider.results()

@@ -270,11 +270,23 @@ def storage_bytes(tensors, exclude=()) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once), minus ``exclude``'s."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen = {}
-    for t in tensors:
+    for t in _plain(tensors):
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _plain(tensors):
+    """The plain tensors holding ``tensors``' data: a wrapper subclass (a peer's quantized optimizer state,
+    e.g. torchao's ``OptimState4bit``) reports its logical size as its storage, so its inner tensors count."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            yield from _plain(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        else:
+            yield t
 
 
 def all_finite(results: dict[str, list]) -> bool:
