@@ -144,11 +144,18 @@ class Case:
 
 
 SWEEPS = ("configs", "size", "tensors", "host", "memory")
-# DESIGN §9's compact state, the memory sweep's rows: name -> (master_weights, state_dtype) of
-# FusedAmpAdamW, on bf16 params (split16 has no fp16 form)
+# DESIGN §9's compact state, the memory sweep's rows: name -> FusedAmpAdamW keyword arguments, on bf16
+# params (split16 has no fp16 form). The int4 rows with a master read autograd's bf16 gradients
+# (fp32_grad_accumulation=False, as no master does by default): the smallest layouts, 5, 6 and 7 B/param.
 MEMORY_MODES = {
-    "split16": ("split16", None), "split8": ("split8", None), "bf16-moments": (None, torch.bfloat16),
-    "int8-moments": (None, "int8"), "split16+bf16": ("split16", torch.bfloat16), "split8+int8": ("split8", "int8"),
+    "split16": dict(master_weights="split16"), "split8": dict(master_weights="split8"),
+    "bf16-moments": dict(state_dtype=torch.bfloat16), "int8-moments": dict(state_dtype="int8"),
+    "split16+bf16": dict(master_weights="split16", state_dtype=torch.bfloat16),
+    "split8+int8": dict(master_weights="split8", state_dtype="int8"),
+    "int4-moments": dict(state_dtype="int4"),
+    "split16+int4+bf16-grads": dict(master_weights="split16", state_dtype="int4", fp32_grad_accumulation=False),
+    "split8+int4+bf16-grads": dict(master_weights="split8", state_dtype="int4", fp32_grad_accumulation=False),
+    "no-master+sr+int4": dict(master_weights=False, state_dtype="int4", stochastic_rounding=True),
 }
 # The host sweep: tiny tensors, so a step's time is the host's Python and dispatch work; the tensor
 # counts of GPT-2 124M, Llama-2-7B and a model with 2000 params

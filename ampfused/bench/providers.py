@@ -155,11 +155,10 @@ class AmpfusedAdamW(Provider):
         self.name = f"ampfused-{backend}" + (KEEP_SCALED if keep_scaled_grads else "") + (MODE + mode if mode else "")
         cfg = self.config
         self.params = [torch.nn.Parameter(t.to(cfg.torch_dtype, copy=True)) for t in data.init]
-        master_weights, state_dtype = MEMORY_MODES[mode] if mode else (None, None)
         self.opt = ampfused.FusedAmpAdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                           max_grad_norm=MAX_GRAD_NORM if cfg.clip else None,
                                           keep_scaled_grads=keep_scaled_grads, backend=backend,
-                                          master_weights=master_weights, state_dtype=state_dtype)
+                                          **(MEMORY_MODES[mode] if mode else {}))
         self.scaler = ampfused.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
                                           enabled=cfg.loss_scaling)
         _init_scale(self.scaler, device)
@@ -182,12 +181,15 @@ class AmpfusedAdamW(Provider):
             self.fresh.hand_over(self.params)
         if self.config.low_precision:
             for micro_batch in self.data.grads:
-                for p, g, hooks, pre_hooked in zip(self.params, micro_batch, self.hooks, self.pre_hooked):
+                for p, g, first, hooks, pre_hooked in zip(self.params, micro_batch, self.data.grads[0], self.hooks,
+                                                          self.pre_hooked):
                     # what AccumulateGrad does in a no-grad backward: hand a fresh grad over, else add in place
                     if p.grad is None:
                         p.grad = g
                     elif pre_hooked and p.grad is p.main_grad:
                         torch.ops.ampfused.accumulate(p.main_grad, g)
+                    elif p.grad is first:  # no fp32 accumulation: the case's own tensor, which later steps hand over again
+                        p.grad = p.grad + g
                     else:
                         p.grad += g
                     for hook in hooks:
@@ -207,7 +209,11 @@ class AmpfusedAdamW(Provider):
     def state_bytes(self) -> int:
         grads = [p.grad for p in self.params if p.grad is not None]
         main_grads = [p.main_grad for p in self.params if getattr(p, "main_grad", None) is not None]
-        return measure.storage_bytes([*self.params, *grads, *main_grads, *self._state()])
+        # without fp32 accumulation the step reads autograd's low-precision p.grad, kept from the last backward
+        # to zero_grad (which has dropped it by now): one gradient of the param's size and dtype
+        read = [g for p, g in zip(self.params, self.data.grads[-1]) if p.grad is None and getattr(p, "main_grad", None) is None]
+        return measure.storage_bytes([*self.params, *grads, *main_grads, *self._state()]) + sum(
+            g.numel() * g.element_size() for g in read)
 
 
 def make(name: str, case: Case, data: CaseData, device: torch.device) -> Provider:
@@ -238,9 +244,15 @@ def bytes_per_param(provider: str, case: Case) -> float:
     if not cfg.low_precision:
         return 32 + grad_write
     update = 28 + lp
-    if mode is not None:
-        master_weights, state_dtype = MEMORY_MODES[mode]
-        master = {None: 4, "split16": 2, "split8": 1, False: 0}[master_weights]
-        moments = {None: 8, torch.bfloat16: 4, "int8": 2 + 2 * 4 / _compact.BLOCK}[state_dtype]
-        update = 4 + 2 * master + 2 * moments + lp + (lp if master < 4 else 0)
-    return (lp + 4) + (n - 1) * (lp + 8) + 4 + update + grad_write
+    if mode is None:
+        return (lp + 4) + (n - 1) * (lp + 8) + 4 + update + grad_write
+    kwargs = MEMORY_MODES[mode]
+    master = {None: 4, "split16": 2, "split8": 1, False: 0}[kwargs.get("master_weights")]
+    scales = 2 * 4 / _compact.BLOCK  # an fp32 scale per block, per moment
+    moments = {None: 8, torch.bfloat16: 4, "int8": 2 + scales, "int4": 1 + scales}[kwargs.get("state_dtype")]
+    # fp32 accumulation follows master weights unless the mode says otherwise (FusedAmpAdamW's default)
+    if kwargs.get("fp32_grad_accumulation", master > 0):
+        return (lp + 4) + (n - 1) * (lp + 8) + 4 + (4 + 2 * master + 2 * moments + lp + (lp if master < 4 else 0)) + grad_write
+    # autograd's p.grad in the param dtype: micro-batches 2..N added in place, then read by the stats pass and the update
+    grad_write = lp * s * (KEEP_SCALED not in provider)
+    return (n - 1) * 3 * lp + lp + (lp + 2 * master + 2 * moments + 2 * lp) + grad_write
