@@ -234,18 +234,21 @@ def test_int8_special_blocks():
     assert torch.isnan(C.dequantize(*C.quantize(v, "sqrt"), "sqrt")).all()
 
 
-def test_state_round_trip_and_small_tensors_stay_fp32():
+@pytest.mark.parametrize("blockwise", ["int8", "int4"])
+def test_state_round_trip_and_small_tensors_stay_fp32(blockwise):
     big = torch.randn(64, 80, dtype=torch.bfloat16)
     small = torch.randn(10, 10, dtype=torch.bfloat16)
     assert big.numel() >= C.SMALL_TENSOR_NUMEL > small.numel()
     for param in (big, small):
         fp32 = {"step": torch.tensor(7.0), "exp_avg": torch.randn(param.shape), "exp_avg_sq": torch.rand(param.shape),
                 "max_exp_avg_sq": torch.rand(param.shape) + 1, "master_param": param.float() + 1e-4}
-        st = C.encode_state(param.clone(), fp32, "split16", "int8")
+        st = C.encode_state(param.clone(), fp32, "split16", blockwise)
         keys = set(st)
         if param is big:
             assert {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "max_exp_avg_sq_scales", "master_low16"} <= keys
             assert "exp_avg" not in keys
+            if blockwise == "int4":  # two codes per byte along the last dimension ([note: int4 packing])
+                assert st["exp_avg_codes"].dtype == torch.uint8 and st["exp_avg_codes"].shape == (64, 40)
         else:
             assert {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_low16"} <= keys
             assert st["exp_avg"].dtype == torch.float32
@@ -260,7 +263,7 @@ def test_state_round_trip_and_small_tensors_stay_fp32():
         C.init_state(torch.zeros(3), "fp32", torch.float16)
 
 
-MODES = [(mw, sd) for mw in ("fp32", "split16", "split8", "none") for sd in (torch.float32, torch.bfloat16, "int8")]
+MODES = [(mw, sd) for mw in ("fp32", "split16", "split8", "none") for sd in (torch.float32, torch.bfloat16, "int8", "int4")]
 
 
 @pytest.mark.parametrize("master_weights,state_dtype", MODES)
@@ -286,8 +289,9 @@ def compact_state_dict():
     """A state dict as an optimizer with compact state writes it: one param per mode."""
     torch.manual_seed(0)
     params = [torch.randn(70, 64).to(torch.bfloat16), torch.randn(70, 64).to(torch.float16), torch.randn(5, 3),
-              torch.randn(64, 70).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16)]
-    modes = [("split16", "int8"), ("split8", torch.bfloat16), ("fp32", "int8"), ("fp32", torch.float32), ("none", torch.bfloat16)]
+              torch.randn(64, 70).to(torch.bfloat16), torch.randn(7).to(torch.bfloat16), torch.randn(64, 80).to(torch.bfloat16)]
+    modes = [("split16", "int8"), ("split8", torch.bfloat16), ("fp32", "int8"), ("fp32", torch.float32), ("none", torch.bfloat16),
+             ("split8", "int4")]
     states = {}
     for i, (p, (mw, sd)) in enumerate(zip(params, modes)):
         st = C.init_state(p, mw, sd, amsgrad=True)
@@ -296,7 +300,7 @@ def compact_state_dict():
         states[i] = st
     groups = [{"params": [0, 1, 2], "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": True,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None},
-              {"params": [3, 4], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": True,
+              {"params": [3, 4, 5], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": True,
                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}]
     return {"state": states, "param_groups": groups}, params
 
@@ -334,7 +338,8 @@ def test_to_torch_state_dict_with_params_gives_fp32_masters():
     assert torch.equal(out["state"][0]["master_param"], C.join16(params[0], sd["state"][0]["master_low16"]))
     assert torch.equal(out["state"][1]["master_param"], C.join8(params[1], sd["state"][1]["master_residual8"]))
     assert torch.equal(out["state"][3]["master_param"], sd["state"][3]["master_param"])
-    for i in (0, 1, 3):
+    assert torch.equal(out["state"][5]["master_param"], C.join8(params[5], sd["state"][5]["master_residual8"]))
+    for i in (0, 1, 3, 5):
         assert torch.equal(out["state"][i]["master_param"].to(params[i].dtype).view(torch.int16), params[i].view(torch.int16))
     assert "master_param" not in out["state"][2] and "master_param" not in out["state"][4]
     by_dict = to_torch_state_dict(sd, dict(enumerate(params)))

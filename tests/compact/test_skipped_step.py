@@ -1,5 +1,5 @@
 """A skipped step (stats[SKIP] set: a non-finite gradient) writes nothing: every compact buffer
-(param, master, moments, int8 codes and scales, step) and the grad keep their bits, on every backend's
+(param, master, moments, int8 / int4 codes and scales, step) and the grad keep their bits, on every backend's
 update (with a grad scale and a rounding seed given) and through the optimizer."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 import ampfused
 from ampfused import _compact as C
 from ampfused._batch import Hyper
-from helpers import OPT_MODES, UPDATE_MODES, assert_bitwise_equal, assert_same_state, clone_compact, feed, opt_params
+from helpers import BLOCKWISE, OPT_MODES, UPDATE_MODES, assert_bitwise_equal, assert_same_state, clone_compact, feed, opt_params
 from helpers import run_steps, same_bits, snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -26,7 +26,7 @@ def test_skipped_step_writes_nothing(kernel, param_dtype, master_weights, state_
 def test_skipped_step_leaves_every_buffer_of_a_mixed_launch(kernel):
     """Every mode in one call: nothing of any tensor is written."""
     modes = [m.values[:3] for m in UPDATE_MODES if m.values[3] == "n"]
-    entries = [kernel.entry(C.SMALL_TENSOR_NUMEL + 300 if sd == "int8" else 5000, dt, mw, sd, amsgrad=True, seed=20 + i)
+    entries = [kernel.entry(C.SMALL_TENSOR_NUMEL + 300 if sd in BLOCKWISE else 5000, dt, mw, sd, amsgrad=True, seed=20 + i)
                for i, (dt, mw, sd) in enumerate(modes)]
     before = [clone_compact(e) for e in entries]
     kernel.step(entries, hypers=[Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)], skip=1.0,
