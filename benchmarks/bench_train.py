@@ -15,7 +15,12 @@ gradient accumulation over ``accum`` micro-batches and global-norm clipping at 1
   optimizer and fp32 gradient accumulation (``p.main_grad``), same scaler and optimizer;
 * ``ampfused-<bf16|fp16>-params@<mode>`` -- the same in each memory mode of DESIGN §9
   (``train_modes.MODES``: split16, split8, bf16 and int8 moments, split8 + int8, no master with
-  stochastic rounding; ``--modes`` picks some).
+  stochastic rounding, and int4 moments with each master; ``--modes`` picks some);
+* the peers' low-bit AdamW where installed (:data:`PEERS`; ``--peers`` picks some): torchao's
+  ``AdamW4bit`` and ``AdamW8bit`` on the bf16 model with their bf16 stochastic rounding, and
+  bitsandbytes' ``AdamW8bit`` on fp32 params under autocast, each as its project documents it;
+  clipping by ``clip_grad_norm_``. A peer that is not installed, or cannot step here, is skipped
+  with a printed note.
 
 The scaler is enabled only for fp16 (bf16 needs no loss scaling). Autocast dtype: bf16 on CPU,
 fp16 on CUDA (``--amp-dtype`` to change).
@@ -28,19 +33,21 @@ variant is built and runs its first two (untimed) steps alone.
 Reported per variant: tokens/s (tokens per step / median step time), median step time, the optimizer step's share of it (time from the
 end of the last backward to the end of ``zero_grad``, with the device synchronized at both ends),
 peak memory, the bytes kept per param between steps (measured from the tensors after a step's last
-backward: ``train_modes.kept_bytes``; for int8 moments also the share of params that has them), the
-final training loss (mean of the last 10% of steps) and the held-out loss.
+backward: ``train_modes.kept_bytes``; for int8 and int4 moments also the share of params that has
+them), the final training loss (mean of the last 10% of steps) and the held-out loss.
 **Convergence parity**: the held-out loss of every mixed-precision variant (stock autocast +
 GradScaler + fused AdamW, the FusedAmpAdamW variants and every memory mode) must be within
 ``--tolerance`` (1%) of the fp32 run's; ``split16`` must also be identical to fp32 masters, step by
 step (``train_modes`` [note: split16 lockstep twin]). The script prints ``parity: PASS`` or
-``parity: FAIL`` and exits non-zero on FAIL. The hand-written stock bf16/fp16-params recipe is shown
-for comparison only ("info").
+``parity: FAIL`` and exits non-zero on FAIL. The hand-written stock bf16/fp16-params recipe and
+the peers are shown for comparison only ("info").
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib
+import importlib.metadata
 import os
 import sys
 import time
@@ -91,7 +98,9 @@ def parse_args(argv, prog=PROG):
                         help="p20-p80 spread of step times over the median above which a timing is unstable")
     parser.add_argument("--modes", type=cli.choice_list(("none", *train_modes.MODES)), default=tuple(train_modes.MODES),
                         help="memory modes to train as variants of the low-precision-params model, or none (default: all; "
-                             "split16 and no-master+sr need bf16)")
+                             f"{', '.join(train_modes.BF16_ONLY)} need bf16)")
+    parser.add_argument("--peers", type=cli.choice_list(("none", *PEERS)), default=tuple(PEERS),
+                        help="peers' optimizers to train beside ours where installed, or none (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     return parser, parser.parse_args(argv)
 
@@ -123,6 +132,48 @@ def ampfused_kwargs(lr: float, backend) -> dict:
     return dict(lr=lr, **HYPERS, max_grad_norm=MAX_GRAD_NORM, backend=backend)
 
 
+class Peer:
+    """Another project's AdamW, built as its documentation builds it: ``package.optim.<cls>`` on the
+    model in ``params`` precision ("bf16" or "fp32", the latter under autocast) with ``options``."""
+
+    def __init__(self, package: str, distribution: str, cls: str, params: str, **options):
+        self.package, self.distribution, self.cls, self.params, self.options = package, distribution, cls, params, options
+
+    def make(self, params, lr: float):
+        optim = importlib.import_module(f"{self.package}.optim")
+        return getattr(optim, self.cls)(params, lr=lr, **HYPERS, **self.options)
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.package}.optim.{self.cls}({options}) on {self.params} params" + (" under autocast" if self.params == "fp32" else "")
+
+    def version(self) -> str:
+        return f"{self.distribution} {importlib.metadata.version(self.distribution)}"
+
+    def problem(self, device, lowp: str) -> str:
+        """Why this peer cannot train here ("" if it can): not installed, another model precision, or a
+        failing step on a tensor big enough to get its low-bit state."""
+        if self.params not in (lowp, "fp32"):
+            return f"runs on {self.params} params, this run's are {lowp}"
+        try:
+            param = torch.nn.Parameter(torch.zeros(64, 128, device=device, dtype=AMP_DTYPES.get(self.params, torch.float32)))
+            param.grad = torch.ones_like(param)
+            self.make([param], 1e-3).step()
+        except ImportError as exc:
+            return f"{exc.name or self.package} is not installed (pip install {self.distribution})"
+        except Exception as exc:  # noqa: BLE001 (whatever keeps it from stepping here is the reason it is skipped)
+            return f"its step fails here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return ""
+
+
+# variant name -> the peer it trains; torchao's 4/8-bit states on bf16 params are its documented memory recipe
+PEERS = {
+    "torchao-AdamW4bit-bf16-params": Peer("torchao", "torchao", "AdamW4bit", "bf16", bf16_stochastic_round=True),
+    "torchao-AdamW8bit-bf16-params": Peer("torchao", "torchao", "AdamW8bit", "bf16", bf16_stochastic_round=True),
+    "bnb-AdamW8bit-fp32-params": Peer("bitsandbytes", "bitsandbytes", "AdamW8bit", "fp32"),
+}
+
+
 def split16_twin(cfg: GPTConfig, device, amp_dtype, lr: float, backend, seed: int):
     """The fp32-master twin of the split16 run, on a model built as ``build`` builds it (same seed, same
     weights); made before the run's peak memory is measured, so that the peak is the run's own."""
@@ -143,6 +194,9 @@ def build(variant: str, cfg: GPTConfig, device, amp_dtype, lr: float, backend, s
     if base.startswith("ampfused-"):
         opt = ampfused.FusedAmpAdamW(model.parameters(), **ampfused_kwargs(lr, backend), **(train_modes.MODES[mode] if mode else {}))
         scaler = ampfused.GradScaler(device.type, enabled=use_scaler)
+    elif base in PEERS:
+        opt = PEERS[base].make(model.parameters(), lr)
+        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
     else:
         master = getattr(model, "master", None)
         opt = torch.optim.AdamW(master.masters if master else model.parameters(), fused=True, lr=lr, **HYPERS)
@@ -226,14 +280,16 @@ class Run:
         return {
             "variant": self.variant,
             "mode": train_modes.mode_of(self.variant) or "",
-            "backend": getattr(self.opt, "backend", "torch"),
+            "backend": PEERS[self.variant].version() if self.variant in PEERS else getattr(self.opt, "backend", "torch"),
             "tokens_per_s": tokens_per_step / (timing.median_ms * 1e-3),  # median: robust to a busy machine
             "step_ms": timing.median_ms, "step_p20_ms": timing.p20_ms, "step_p80_ms": timing.p80_ms,
             "unstable": timing.unstable,
             "optimizer_share": sum(self.opt_times[timed]) / sum(self.step_times[timed]),
             "peak_mem_mb": self.peak / 2**20,
             "kept_bytes_per_param": self.kept / numel,
-            "int8_fraction": train_modes.int8_elements(self.params, self.opt) / numel if "int8" in self.variant else "",
+            "coded_fraction": (train_modes.coded_elements(self.params, self.opt) / numel
+                               if train_modes.MODES.get(train_modes.mode_of(self.variant), {}).get("state_dtype") in ("int8", "int4")
+                               else ""),
             "identity": self.twin.verdict() if self.twin is not None else "",
             "ties": self.twin.ties if self.twin is not None else "",
             "final_train_loss": sum(losses[-tail:]) / tail,
@@ -268,11 +324,12 @@ def train_all(variants, preset, train_batches, eval_batches, device, amp_dtype, 
 
 
 def _kept(r) -> str:
-    """The kept-bytes cell; int8 rows say how many params have int8 moments (small tensors keep fp32)."""
+    """The kept-bytes cell; int8 and int4 rows say how many params have coded moments (small tensors keep fp32)."""
     if r["kept_bytes_per_param"] != r["kept_bytes_per_param"]:  # NaN: a run too short to measure it
         return "–"
     cell = f"{r['kept_bytes_per_param']:.2f}"
-    return cell + (f" (int8: {100 * r['int8_fraction']:.0f}% of params)" if r["int8_fraction"] != "" else "")
+    codes = train_modes.MODES[r["mode"]]["state_dtype"] if r["coded_fraction"] != "" else ""
+    return cell + (f" ({codes}: {100 * r['coded_fraction']:.0f}% of params)" if codes else "")
 
 
 def notes(results, tolerance) -> list[str]:
@@ -280,9 +337,14 @@ def notes(results, tolerance) -> list[str]:
     lines = [f"parity: held-out loss within {100 * tolerance:.1f}% of the fp32 run's; the hand-written stock "
              "low-precision-params recipe is shown for comparison (info), not gated. kept B/param: params, gradients "
              "and optimizer state between steps, measured from the tensors after a step's last backward."]
-    if any(r["int8_fraction"] != "" for r in results):
-        lines.append(f"int8 moments: tensors under {_compact.SMALL_TENSOR_NUMEL} elements keep fp32 moments; the share "
-                     "of params with int8 moments is in the kept B/param cell.")
+    if any(r["coded_fraction"] != "" for r in results):
+        lines.append(f"int8 and int4 moments: tensors under {_compact.SMALL_TENSOR_NUMEL} elements keep fp32 moments; the "
+                     "share of params with coded moments is in the kept B/param cell.")
+    peers = [r["variant"] for r in results if r["variant"] in PEERS]
+    if peers:
+        lines.append("peers (info, not gated), each as its project documents it and clipped by clip_grad_norm_: " +
+                     "; ".join(f"{v}: {PEERS[v].describe()}" for v in peers) +
+                     ". Their kept B/param counts the codes, scales and maps of their quantized state.")
     by_name = {r["variant"]: r for r in results}
     for r in results:
         if r["identity"]:
@@ -303,7 +365,7 @@ def write_outputs(results, env, out, tolerance) -> tuple[list[str], str]:
 
     os.makedirs(out, exist_ok=True)
     columns = ["variant", "mode", "backend", "tokens_per_s", "step_ms", "step_p20_ms", "step_p80_ms", "unstable",
-               "optimizer_share", "peak_mem_mb", "kept_bytes_per_param", "int8_fraction", "final_train_loss", "eval_loss",
+               "optimizer_share", "peak_mem_mb", "kept_bytes_per_param", "coded_fraction", "final_train_loss", "eval_loss",
                "rel_diff_vs_fp32", "parity", "ties", "identity"]
     paths = [os.path.join(out, n) for n in ("train.csv", "train.md", "train_curves.csv", "summary.md")]
     with open(paths[0], "w", newline="") as f:
@@ -430,6 +492,16 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     if unfit:
         print(f"bench_train: not trained with {lowp} params: {', '.join(unfit)} (bf16 only)", file=sys.stderr)
     variants += [f"ampfused-{lowp}-params{train_modes.SEP}{m}" for m in modes if m not in unfit]
+    peers = []
+    for name in (p for p in args.peers if p != "none"):
+        problem = PEERS[name].problem(device, lowp)
+        if problem:
+            print(f"bench_train: peer {name} skipped: {problem}", file=sys.stderr)
+        else:
+            peers.append(name)
+    variants += peers
+    if peers:
+        env["peers"] = ", ".join(dict.fromkeys(PEERS[p].version() for p in peers))
     progress = cli.Progress(max(0, preset["steps"] - UNTIMED), unit="step")
     try:
         results = train_all(variants, preset, train_batches, eval_batches, device, amp_dtype, args.backend, args.seed,
@@ -445,8 +517,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         within = abs(r["rel_diff_vs_fp32"]) <= args.tolerance
         if r["variant"] == "fp32":
             r["parity"] = "reference"
-        elif r["variant"] == f"torch-{lowp}-params":
-            # a hand-written stock recipe shown for comparison: it tells bf16-param effects from ampfused's
+        elif r["variant"] == f"torch-{lowp}-params" or r["variant"] in PEERS:
+            # a hand-written stock recipe or a peer, shown for comparison: it tells bf16-param effects from ampfused's
             r["parity"] = "info (within)" if within else "info (outside)"
         elif r["identity"] and not r["identity"].startswith("identical"):
             r["parity"] = "FAIL (not identical to fp32 masters)"

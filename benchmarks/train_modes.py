@@ -28,11 +28,18 @@ from ampfused import _compact
 from ampfused.bench import measure
 from ampfused.bench.configs import MEMORY_MODES
 
-# name -> FusedAmpAdamW keyword arguments; the names of configs.MEMORY_MODES (the step benchmark's rows)
-MODES = {name: dict(master_weights=MEMORY_MODES[name][0], state_dtype=MEMORY_MODES[name][1])
-         for name in ("split16", "split8", "bf16-moments", "int8-moments", "split8+int8")}
-MODES["no-master+sr"] = dict(master_weights=False, stochastic_rounding=True)  # bf16 params rounded stochastically
-BF16_ONLY = ("split16", "no-master+sr")  # split16 has no fp16 form; stochastic rounding rounds bf16 writes
+# name -> FusedAmpAdamW keyword arguments. Every mode keeps the default gradient accumulation (fp32 p.main_grad
+# with a master, autograd's bf16 p.grad without), so that two modes with a master differ in their state alone.
+MODES = {
+    **{name: dict(MEMORY_MODES[name]) for name in ("split16", "split8", "bf16-moments", "int8-moments", "split8+int8")},
+    "no-master+sr": dict(master_weights=False, stochastic_rounding=True),  # bf16 params rounded stochastically
+    "int4-moments": dict(state_dtype="int4"),
+    "split16+int4": dict(master_weights="split16", state_dtype="int4"),
+    "split8+int4": dict(master_weights="split8", state_dtype="int4"),
+    "no-master+sr+int4": dict(master_weights=False, stochastic_rounding=True, state_dtype="int4"),
+}
+# split16 has no fp16 form; stochastic rounding rounds bf16 writes
+BF16_ONLY = tuple(m for m in MODES if MODES[m].get("master_weights") == "split16" or MODES[m].get("stochastic_rounding"))
 SEP = "@"  # variant-name separator, as the step benchmark's provider names: "ampfused-bf16-params@split8"
 
 
@@ -60,8 +67,8 @@ def kept_bytes(params: list[Tensor], opt, master=None) -> int:
     return measure.storage_bytes(tensors)
 
 
-def int8_elements(params: list[Tensor], opt) -> int:
-    """Elements whose moments are int8 codes (tensors under ``_compact.SMALL_TENSOR_NUMEL`` keep fp32 moments)."""
+def coded_elements(params: list[Tensor], opt) -> int:
+    """Elements whose moments are int8 or int4 codes (tensors under ``_compact.SMALL_TENSOR_NUMEL`` keep fp32 moments)."""
     return sum(p.numel() for p in params if "exp_avg_codes" in opt.state.get(p, {}))
 
 
