@@ -25,6 +25,10 @@ MODES = [
     ("split8 + bf16 moments", "split8", torch.bfloat16, True),
     ("split8 + int8 moments", "split8", "int8", True),
     ("split8 + int8, bf16 grads", "split8", "int8", False),
+    ("no master + int8, bf16 grads", False, "int8", False),
+    ("split16 + int4, bf16 grads", "split16", "int4", False),
+    ("split8 + int4, bf16 grads", "split8", "int4", False),
+    ("no master + int4, bf16 grads", False, "int4", False),
 ]
 # Not measured here: from each project's documented layout (or its paper), for a bf16/AMP model.
 PEERS = [
@@ -32,6 +36,7 @@ PEERS = [
     ("torch AdamW + hand-written fp32 masters\n(bf16 param 2 + master 4 + fp32 grad 4 + moments 8)", 18.0),
     ("bitsandbytes AdamW8bit, fp32 params\n(param 4 + grad 4 + 8-bit moments 2 + scales)", 10.0),
     ("FlashOptim AdamW, 16-bit grads\n(paper, arXiv 2602.23349)", 7.0),
+    ("torchao AdamW4bit, bf16 params\n(param 2 + bf16 grad 2 + 4-bit moments 1 + fp32 scales per 128)", 2 + 2 + 1 + 2 * 4 / 128),
 ]
 
 
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.2))
     for y, (label, value, peer) in enumerate(rows):
         ax.barh(y, value, color="#bbbbbb" if peer else "#3b7dd8", hatch="//" if peer else None, edgecolor="black")
-        ax.text(value + 0.2, y, f"{value:.2f}" if not peer else f"{value:g} (documented)", va="center", fontsize=8)
+        ax.text(value + 0.2, y, f"{value:.2f}" if not peer else f"{value:.3g} (documented)", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.set_xlabel("bytes kept per parameter between steps (bf16/AMP model)")
     ax.set_title("Bytes kept per param: ampfused measured (blue), peers documented (hatched)", fontsize=9)
