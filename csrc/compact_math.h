@@ -15,6 +15,9 @@
 //                           k is RNE of |y| on a float-like grid: (2^M + t) 2^(f - 15 - M), t 2^(-14 - M)
 //                           for f = 0, k = (f << M) | t; exp_avg: M = 3 and a sign (int8 +-k, k <= 120),
 //                           exp_avg_sq: M = 4 (uint8 k <= 240); non-finite y gives code 0.
+//   int4 moments            y as for int8 (non-finite y counts as 0); the code is the number of the
+//                           grid's 15 fp32 bounds strictly below y, and decodes to LEVELS[code] * scale
+//                           (squared for exp_avg_sq); two codes a byte, element 2i in the low nibble.
 //
 // Every step is an integer operation or one correctly rounded fp32 operation
 // (division, sqrt, product), and scalings by powers of two are split in two exact factors, so
@@ -30,7 +33,8 @@
 namespace ampfused {
 namespace compact {
 
-// kBlock, kSmallTensorNumel and the grids (kSignedMant/kSignedOne, kSqrtMant/kSqrtOne): contract_generated.h
+// kBlock, kSmallTensorNumel and the grids (kSignedMant/kSignedOne, kSqrtMant/kSqrtOne, the int4
+// kInt4*Levels / kInt4*Bounds tables): contract_generated.h
 
 AMPFUSED_HD uint32_t bits_of(float x) {
 #if defined(__CUDA_ARCH__)
@@ -215,6 +219,53 @@ AMPFUSED_HD float decode_exp_avg_sq(uint8_t code, float scale) {
   const float r = decode_unit<kSqrtMant>(code) * scale;
   return r * r;
 }
+
+// ------------------------------------------------------------------ int4 moments
+
+// The number of the 15 ascending bounds b strictly below y (a non-finite y counts as 0), bit by bit:
+// x > b[i] holds for a prefix of the bounds, so code bit 3 is x > b[7], bit 2 is x > b[3] or b[11]
+// (by bit 3), and so on: 4 comparisons against bounds picked by selects among constants, where
+// counting compares 15 times, and no indexed load.
+AMPFUSED_HD int int4_code(float y, const float (&b)[15]) {
+  const float x = is_finite_f32(y) ? y : 0.0f;
+  const bool h8 = x > b[7];
+  const bool h4 = x > (h8 ? b[11] : b[3]);
+  const bool h2 = x > (h8 ? (h4 ? b[13] : b[9]) : (h4 ? b[5] : b[1]));
+  const float low = h4 ? (h2 ? b[6] : b[4]) : (h2 ? b[2] : b[0]);
+  const float high = h4 ? (h2 ? b[14] : b[12]) : (h2 ? b[10] : b[8]);
+  const bool h1 = x > (h8 ? high : low);
+  return (h8 ? 8 : 0) | (h4 ? 4 : 0) | (h2 ? 2 : 0) | (h1 ? 1 : 0);
+}
+
+// exp_avg: scale = max |m| over the element's block.
+AMPFUSED_HD int encode4_exp_avg(float m, float scale) {
+#if defined(__CUDA_ARCH__)
+  return int4_code(__fdiv_rn(m, scale), kInt4SignedBounds);
+#else
+  return int4_code(m / scale, kInt4SignedBounds);
+#endif
+}
+
+AMPFUSED_HD float decode4_exp_avg(int code, float scale) { return kInt4SignedLevels[code] * scale; }
+
+// exp_avg_sq / max_exp_avg_sq: scale = max sqrt(v) over the element's block.
+AMPFUSED_HD int encode4_exp_avg_sq(float v, float scale) {
+#if defined(__CUDA_ARCH__)
+  return int4_code(__fdiv_rn(__fsqrt_rn(v), scale), kInt4SqrtBounds);
+#else
+  return int4_code(std::sqrt(v) / scale, kInt4SqrtBounds);
+#endif
+}
+
+AMPFUSED_HD float decode4_exp_avg_sq(int code, float scale) {
+  const float r = kInt4SqrtLevels[code] * scale;
+  return r * r;
+}
+
+// The codes of elements 2i (low nibble) and 2i + 1 (high nibble) in byte i ([note: int4 packing] in _contract.py).
+AMPFUSED_HD uint8_t pack4(int even, int odd) { return static_cast<uint8_t>(even | (odd << 4)); }
+AMPFUSED_HD int unpack4_even(uint8_t byte) { return byte & 0xF; }
+AMPFUSED_HD int unpack4_odd(uint8_t byte) { return byte >> 4; }
 
 }  // namespace compact
 }  // namespace ampfused

@@ -1,13 +1,15 @@
 // The CUDA update of a chunk of a tensor with compact state (DESIGN §9): split16 / split8 masters,
-// bf16 and int8 moments, stochastic rounding. Device code only, included by passes.cu, whose
+// bf16, int8 and int4 moments, stochastic rounding. Device code only, included by passes.cu, whose
 // compact update variant sends a chunk here when contract.h's is_compact says so: compact and fp32
 // tensors share the one update launch.
 //
-// A warp takes 256 consecutive elements at a time, one int8 scale
-// block (chunks start on multiples of 256 within a tensor), and each lane 4 of them at 4*lane and 4
-// at 128 + 4*lane, so each load of the warp reads one contiguous run. The new scale of an int8
-// block is the maximum of its new magnitudes, reduced over the warp with shuffles (NaN wins, as the
-// specification's amax): no shared memory, no barrier, no second pass. Every other mode is walked
+// A warp takes 256 consecutive elements at a time, one scale block of
+// int8 / int4 codes (chunks start on multiples of 256 within a tensor), and each lane 4 of them at
+// 4*lane and 4 at 128 + 4*lane, so each load of the warp reads one contiguous run. The new scale of
+// a block is the maximum of its new magnitudes, reduced over the warp with shuffles (NaN wins, as
+// the specification's amax): no shared memory, no barrier, no second pass. A lane's 4 elements of
+// int4 codes are 2 whole bytes (blocks and rows start on an even element, [note: int4 packing] in
+// _contract.py), so no two lanes share a byte. Every other mode is walked
 // the same way. Per element it is the CPU's compact update (cpu/compact_update.h) with the same
 // functions: decode the master and moments (compact_math.h), adamw_element, encode; stochastic
 // rounding takes the same counter-based bits (compact_random.h), so both devices give the same bits.
@@ -41,7 +43,7 @@ __device__ __forceinline__ T* global(T* p) {
 namespace compact_pass {
 
 constexpr int kWarp = 32;
-constexpr int kGroup = compact::kBlock;  // the elements a warp takes at a time: one int8 scale block
+constexpr int kGroup = compact::kBlock;  // the elements a warp takes at a time: one scale block
 constexpr int kHalfGroup = kGroup / 2;   // a lane's second part starts here
 static_assert(kGroup == 8 * kWarp, "a lane holds two 4-element parts of a group");
 
@@ -54,6 +56,10 @@ struct Lane {
 template <typename T>
 struct alignas(4 * sizeof(T)) Raw4 {
   T v[4];
+};
+
+struct alignas(2) Raw2Bytes {
+  uint8_t v[2];
 };
 
 // Elements [0, n) of the 4 at p into out (the rest keep their values); one vector access when vec and n == 4.
@@ -84,6 +90,37 @@ __device__ __forceinline__ void store_part(T* p, int n, bool vec, const T in[4])
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j < n) p[j] = in[j];
+    }
+  }
+}
+
+// The int4 codes of the 4 elements at `at` (n valid, even): bytes [at / 2, at / 2 + n / 2) of the
+// packed moment; one 2-byte access when vec and n == 4 (at is then a multiple of 4).
+__device__ __forceinline__ void load_codes4(const float* base, int64_t at, int n, bool vec, uint8_t out[2]) {
+  const uint8_t* p = global(reinterpret_cast<const uint8_t*>(base) + (at >> 1));
+  if (vec && n == 4) {
+    const Raw2Bytes r = *reinterpret_cast<const Raw2Bytes*>(p);
+    out[0] = r.v[0];
+    out[1] = r.v[1];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (2 * j < n) out[j] = p[j];
+    }
+  }
+}
+
+__device__ __forceinline__ void store_codes4(float* base, int64_t at, int n, bool vec, const uint8_t in[2]) {
+  uint8_t* p = global(reinterpret_cast<uint8_t*>(base) + (at >> 1));
+  if (vec && n == 4) {
+    Raw2Bytes r;
+    r.v[0] = in[0];
+    r.v[1] = in[1];
+    *reinterpret_cast<Raw2Bytes*>(p) = r;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (2 * j < n) p[j] = in[j];
     }
   }
 }
@@ -138,7 +175,7 @@ __device__ __forceinline__ void load_weights(const UpdateTensor& t, int64_t at, 
   }
 }
 
-// One moment of 4 elements: fp32, bf16, or int8/uint8 codes times their block's scale.
+// One moment of 4 elements: fp32, bf16, or int8/uint8 or int4 codes decoded with their block's scale.
 __device__ __forceinline__ void load_moment(const float* base, int32_t kind, bool signed_codes, float scale, int64_t at,
                                             int n, bool vec, float out[4]) {
   if (kind == kMomentF32) {
@@ -148,6 +185,14 @@ __device__ __forceinline__ void load_moment(const float* base, int32_t kind, boo
     load_part(reinterpret_cast<const uint16_t*>(base) + at, n, vec, bits);
 #pragma unroll
     for (int j = 0; j < 4; ++j) out[j] = compact::bf16_to_float(bits[j]);
+  } else if (kind == kMomentInt4) {
+    uint8_t bytes[2] = {0, 0};
+    load_codes4(base, at, n, vec, bytes);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int code = j % 2 == 0 ? compact::unpack4_even(bytes[j / 2]) : compact::unpack4_odd(bytes[j / 2]);
+      out[j] = signed_codes ? compact::decode4_exp_avg(code, scale) : compact::decode4_exp_avg_sq(code, scale);
+    }
   } else if (signed_codes) {
     int8_t code[4] = {0, 0, 0, 0};
     load_part(reinterpret_cast<const int8_t*>(base) + at, n, vec, code);
@@ -187,10 +232,12 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-// Store a warp's group of int8 moment codes: the new scale is the group's maximum of |x| (of
-// sqrt(x) for the uint8 grid), written by lane 0, and every code is encoded with it. All lanes call this.
-__device__ __forceinline__ void store_int8_group(float* base, bool signed_codes, float* scales, int64_t group,
-                                                 const Lane& l, bool vec, const float x[8]) {
+// Store a warp's group of int8 (CODES kMomentInt8) or int4 (kMomentInt4) moment codes: the new
+// scale is the group's maximum of |x| (of sqrt(x) for exp_avg_sq's grids), written by lane 0, and
+// every code is encoded with it. All lanes call this.
+template <int32_t CODES>
+__device__ __forceinline__ void store_codes_group(float* base, bool signed_codes, float* scales, int64_t group,
+                                                  const Lane& l, bool vec, const float x[8]) {
   float magnitude = 0.0f;  // elements past the tensor's end count as 0, as the specification's padding
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
@@ -203,7 +250,16 @@ __device__ __forceinline__ void store_int8_group(float* base, bool signed_codes,
   if (threadIdx.x % kWarp == 0) global(scales)[group] = scale;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    if (signed_codes) {
+    if (CODES == kMomentInt4) {
+      uint8_t bytes[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float even = x[4 * h + 2 * j], odd = x[4 * h + 2 * j + 1];
+        bytes[j] = signed_codes ? compact::pack4(compact::encode4_exp_avg(even, scale), compact::encode4_exp_avg(odd, scale))
+                                : compact::pack4(compact::encode4_exp_avg_sq(even, scale), compact::encode4_exp_avg_sq(odd, scale));
+      }
+      store_codes4(base, l.at[h], l.n[h], vec, bytes);
+    } else if (signed_codes) {
       int8_t code[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) code[j] = compact::encode_exp_avg(x[4 * h + j], scale);
@@ -261,30 +317,34 @@ struct Part {
 };
 
 // Work positions [begin, end) of compact tensor t (begin a multiple of kGroup; work_numel in
-// contract.h: its elements, or for int8 moments in ragged rows those of rows padded to whole
+// contract.h: its elements, or for int8 / int4 moments in ragged rows those of rows padded to whole
 // blocks, each group then one block at its row's elements, cut at the row's end), by every thread of the
 // block; write_grad: the unscaled gradient g * unscale goes back into the grad (DESIGN §2.7).
-// seed: the call's rounding seed, used when t.stochastic. INT8: the kernel variant that serves
-// int8 moments (ops_cuda.cpp launches it for those tensors alone).
+// seed: the call's rounding seed, used when t.stochastic. CODES: the blockwise moments this instance
+// serves, kMomentInt8 or kMomentInt4 (the blockwise variant of passes.cu, which ops_cuda.cpp launches
+// for those tensors alone), or kMomentF32 for fp32 and bf16 moments (the compact variant).
 //
 // [note: compact registers] A lane issues both parts' loads (grad, weights, moments) before any
 // store, so a warp has its whole group in flight at once; the pointers may alias as far as the
 // compiler knows, so it keeps the source order, which is what puts the loads first
 // (tests/contract/sm90_compile.py checks the SASS). That holds both parts' working sets, and for
-// int8 moments the group's new moments wait in registers for their scales: one block of 512 per
+// blockwise moments the group's new moments wait in registers for their scales: one block of 512 per
 // SM, with more bytes in flight per SM than HBM needs by Little's law (docs/results/sm90-kernels.md).
 // Stepping the parts one after the other halves the bytes in flight for no fewer registers, and a
 // cap of two blocks per SM spills inside the loop (docs/results/cuda-compact-registers.md). The
 // record and the scalars are the kernel's shared copies: the loop reads the few fields the
 // compiler does not keep (LDS).
-template <bool INT8>
+template <int32_t CODES>
 __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begin, int64_t end, const AdamWScalars& s,
                                              float factor, bool write_grad, float unscale, uint64_t seed) {
   const int lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
   const bool vec = t.aligned != 0 && !ragged_rows(t);  // a ragged row's blocks start anywhere
   const bool amsgrad = t.max_exp_avg_sq != nullptr;
-  const bool int8 = INT8 && t.moment_kind == kMomentInt8;
+  static_assert(CODES == kMomentF32 || CODES == kMomentInt8 || CODES == kMomentInt4, "CODES: kMomentF32, Int8 or Int4");
+  constexpr bool kCodes = CODES != kMomentF32;
+  // what the instance serves, so the other kinds' code folds away
+  const int32_t moment_kind = kCodes ? CODES : (t.moment_kind == kMomentBF16 ? kMomentBF16 : kMomentF32);
   // SR applies to bf16 writes without an exact master: bf16 moments, and a bf16 param without one
   const bool sr_moments = t.stochastic != 0 && t.moment_kind == kMomentBF16;
   const bool sr_param = t.stochastic != 0 && t.master == nullptr && t.param_dtype == kBF16;
@@ -309,7 +369,7 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
     }
     const int64_t group = base / kGroup;
     float scale_m = 0.0f, scale_v = 0.0f, scale_vmax = 0.0f;
-    if (int8) {
+    if (kCodes) {
       scale_m = global(t.exp_avg_scales)[group];
       scale_v = global(t.exp_avg_sq_scales)[group];
       if (amsgrad) scale_vmax = global(t.max_exp_avg_sq_scales)[group];
@@ -323,9 +383,9 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
       const int n = l.n[h];
       load_floats(t.grad, t.grad_dtype, at, n, vec, q.g);
       load_weights(t, at, n, vec, q.w);
-      load_moment(t.exp_avg, t.moment_kind, true, scale_m, at, n, vec, q.m);
-      load_moment(t.exp_avg_sq, t.moment_kind, false, scale_v, at, n, vec, q.v);
-      if (amsgrad) load_moment(t.max_exp_avg_sq, t.moment_kind, false, scale_vmax, at, n, vec, q.vmax);
+      load_moment(t.exp_avg, moment_kind, true, scale_m, at, n, vec, q.m);
+      load_moment(t.exp_avg_sq, moment_kind, false, scale_v, at, n, vec, q.v);
+      if (amsgrad) load_moment(t.max_exp_avg_sq, moment_kind, false, scale_vmax, at, n, vec, q.vmax);
     };
     auto step_and_store = [&](int h) {
       Part& q = part[h];
@@ -354,17 +414,17 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
         if ((sr_moments && amsgrad) || sr_param) rand_b[j] = compact::random_word(hash, 1);
       }
       store_weights(t, at, n, vec, q.w, sr_param, rand_b);
-      if (!int8) {  // int8 moments wait for the group's scales (below)
-        store_moment(t.exp_avg, t.moment_kind, at, n, vec, q.m, sr_moments, rand_a, 0);
-        store_moment(t.exp_avg_sq, t.moment_kind, at, n, vec, q.v, sr_moments, rand_a, 16);
-        if (amsgrad) store_moment(t.max_exp_avg_sq, t.moment_kind, at, n, vec, q.vmax, sr_moments, rand_b, 0);
+      if (!kCodes) {  // blockwise moments wait for the group's scales (below)
+        store_moment(t.exp_avg, moment_kind, at, n, vec, q.m, sr_moments, rand_a, 0);
+        store_moment(t.exp_avg_sq, moment_kind, at, n, vec, q.v, sr_moments, rand_a, 16);
+        if (amsgrad) store_moment(t.max_exp_avg_sq, moment_kind, at, n, vec, q.vmax, sr_moments, rand_b, 0);
       }
     };
     load(0);  // both parts' loads, then the stores ([note: compact registers])
     load(1);
     step_and_store(0);
     step_and_store(1);
-    if (INT8 && int8) {  // warp-uniform: every lane of the warp reaches the shuffles
+    if (kCodes) {  // warp-uniform: every lane of the warp reaches the shuffles
       float m8[8], v8[8], vmax8[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -372,9 +432,9 @@ __device__ __forceinline__ void update_chunk(const UpdateTensor& t, int64_t begi
         v8[e] = part[e / 4].v[e % 4];
         vmax8[e] = part[e / 4].vmax[e % 4];
       }
-      store_int8_group(t.exp_avg, true, t.exp_avg_scales, group, l, vec, m8);
-      store_int8_group(t.exp_avg_sq, false, t.exp_avg_sq_scales, group, l, vec, v8);
-      if (amsgrad) store_int8_group(t.max_exp_avg_sq, false, t.max_exp_avg_sq_scales, group, l, vec, vmax8);
+      store_codes_group<CODES>(t.exp_avg, true, t.exp_avg_scales, group, l, vec, m8);
+      store_codes_group<CODES>(t.exp_avg_sq, false, t.exp_avg_sq_scales, group, l, vec, v8);
+      if (amsgrad) store_codes_group<CODES>(t.max_exp_avg_sq, false, t.max_exp_avg_sq_scales, group, l, vec, vmax8);
     }
   }
 }

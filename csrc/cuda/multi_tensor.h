@@ -70,8 +70,8 @@ struct StatsParams {
 // ([note: a launch per variant] in ops_cuda.cpp).
 enum UpdateVariant : int {
   kUpdatePlain = 0,        // no compact state (contract.h's is_compact)
-  kUpdateCompact = 1,      // compact masters, bf16 moments, stochastic rounding, not int8 moments
-  kUpdateCompactInt8 = 2,  // int8 moments (with any master)
+  kUpdateCompact = 1,           // compact masters, bf16 moments, stochastic rounding, no blockwise moments
+  kUpdateCompactBlockwise = 2,  // int8 or int4 moments (with any master)
 };
 
 cudaError_t launch_update(const UpdateParams& params, UpdateVariant variant, int grid, cudaStream_t stream);

@@ -253,14 +253,15 @@ void adamw_update_cuda(const UpdateCall& call) {
 
   // [note: a launch per variant] Each variant of the update kernel (multi_tensor.h) runs over the
   // tensors it serves alone, one launch each on the stream, plain first: registers are a kernel's,
-  // so a single launch of the int8 variant (one block of 512 per SM) would hold every fp32 and bf16
+  // so a single launch of the blockwise variant (one block of 512 per SM) would hold every fp32 and bf16
   // tensor of the step to its occupancy too. The table lists the tensors grouped by variant, and
   // each launch gets its slice (records, chunk layout, step counters to advance); a tensor's random
   // bits are keyed by its record's index, not its place in the table, so the order changes nothing
   // (docs/results/sm90-kernels.md: registers, blocks and bytes in flight per SM of each variant).
   constexpr int kVariants = 3;
   auto variant_of = [](const UpdateTensor& t) {
-    return t.moment_kind == kMomentInt8 ? kUpdateCompactInt8 : is_compact(t) ? kUpdateCompact : kUpdatePlain;
+    const bool blockwise = t.moment_kind == kMomentInt8 || t.moment_kind == kMomentInt4;
+    return blockwise ? kUpdateCompactBlockwise : is_compact(t) ? kUpdateCompact : kUpdatePlain;
   };
   std::vector<UpdateTensor> ordered;
   ordered.reserve(call.tensors.size());
@@ -363,6 +364,6 @@ void scaler_update_cuda(const at::Tensor& found_inf, const at::Tensor& scale, co
 TORCH_LIBRARY_IMPL(ampfused, CUDA, m) {
   m.impl("accumulate", &ampfused::cuda::accumulate_cuda);
   m.impl("grad_stats", &ampfused::cuda::grad_stats_cuda);
-  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CUDA, ampfused::cuda::adamw_update_cuda, true>);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CUDA, ampfused::cuda::adamw_update_cuda, true, true>);
   m.impl("scaler_update", &ampfused::cuda::scaler_update_cuda);
 }

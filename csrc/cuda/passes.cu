@@ -162,8 +162,9 @@ __device__ double lr_of(const UpdateGroup& h) {
 
 // VARIANT (multi_tensor.h's UpdateVariant): ops_cuda.cpp launches each variant over the tensors it
 // serves alone ([note: a launch per variant] there): the plain one over fp32-state tensors, the
-// compact ones (compact_update.cuh) over the compact tensors (contract.h's is_compact), the int8
-// one over those with int8 moments. Registers are a kernel's, so each variant's tensors run at the
+// compact ones (compact_update.cuh) over the compact tensors (contract.h's is_compact), the
+// blockwise one over those with int8 or int4 moments (an instance of the chunk loop for each,
+// picked per chunk: a tensor's moments are of one kind). Registers are a kernel's, so each variant's tensors run at the
 // occupancy of its own code (docs/results/sm90-kernels.md).
 // [note: update occupancy] The plain variant is held to two blocks of 512 per SM (64 registers),
 // which its loops fit without a spill; the compact ones hold a whole group a lane and take one
@@ -194,8 +195,16 @@ __global__ void __launch_bounds__(kBlockSize, VARIANT == kUpdatePlain ? 2 : 1)
     const float f = (h.flags & kFlagMaximize) ? -factor : factor;  // -(g*f) == g*(-f) exactly
     const int64_t end = min(chunk.start + kChunkSize, COMPACT ? work_numel(t) : t.numel);
     if (COMPACT && is_compact(t)) {  // (every tensor of a compact launch is)
-      compact_pass::update_chunk<VARIANT == kUpdateCompactInt8>(chunk_tensor, chunk.start, end, chunk_scalars, f,
-                                                                 write_grad, unscale, p.rounding_seed);
+      if (VARIANT != kUpdateCompactBlockwise) {
+        compact_pass::update_chunk<kMomentF32>(chunk_tensor, chunk.start, end, chunk_scalars, f, write_grad, unscale,
+                                               p.rounding_seed);
+      } else if (t.moment_kind == kMomentInt4) {
+        compact_pass::update_chunk<kMomentInt4>(chunk_tensor, chunk.start, end, chunk_scalars, f, write_grad, unscale,
+                                                p.rounding_seed);
+      } else {
+        compact_pass::update_chunk<kMomentInt8>(chunk_tensor, chunk.start, end, chunk_scalars, f, write_grad, unscale,
+                                                p.rounding_seed);
+      }
       continue;
     }
     switch (t.param_dtype) {
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(kBlockSize) accumulate_kernel(float* dst, cons
 
 cudaError_t launch_update(const UpdateParams& params, UpdateVariant variant, int grid, cudaStream_t stream) {
   switch (variant) {
-    case kUpdateCompactInt8: update_kernel<kUpdateCompactInt8><<<grid, kBlockSize, 0, stream>>>(params); break;
+    case kUpdateCompactBlockwise: update_kernel<kUpdateCompactBlockwise><<<grid, kBlockSize, 0, stream>>>(params); break;
     case kUpdateCompact: update_kernel<kUpdateCompact><<<grid, kBlockSize, 0, stream>>>(params); break;
     default: update_kernel<kUpdatePlain><<<grid, kBlockSize, 0, stream>>>(params); break;
   }
@@ -369,8 +378,8 @@ int blocks_per_sm(Kernel kernel) {
 int update_blocks_per_sm(UpdateVariant variant) {
   static const int plain = blocks_per_sm(update_kernel<kUpdatePlain>);
   static const int compact = blocks_per_sm(update_kernel<kUpdateCompact>);
-  static const int compact_int8 = blocks_per_sm(update_kernel<kUpdateCompactInt8>);
-  return variant == kUpdateCompactInt8 ? compact_int8 : variant == kUpdateCompact ? compact : plain;
+  static const int blockwise = blocks_per_sm(update_kernel<kUpdateCompactBlockwise>);
+  return variant == kUpdateCompactBlockwise ? blockwise : variant == kUpdateCompact ? compact : plain;
 }
 
 int stats_blocks_per_sm() {

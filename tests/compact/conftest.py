@@ -5,7 +5,7 @@ no compiled build, no C++ compiler).
 ``cuda-emulated`` is the CUDA compact update's device code (csrc/cuda/compact_update.cuh) compiled
 with the host compiler (tests/compact/cuda_emulation.cpp: a stand-in cuda_runtime.h, a block's
 threads as std::threads, warp shuffles through a barrier) and run on CPU tensors: the walk over
-lanes, groups, tails and int8 blocks, the new scales, the encodings and the stochastic-rounding bits
+lanes, groups, tails and int8 / int4 blocks, the new scales, the encodings and the stochastic-rounding bits
 are checked on a machine without a GPU; the device's own arithmetic (intrinsics, fma contraction,
 the shuffles themselves) only on a GPU. Every chunk takes the compact path, the fp32 twins
 included, and a block has 64 threads (two warps), so several warps take turns within a chunk.
@@ -27,8 +27,7 @@ CPU_N = 70_001  # more than one 65536-element work range (CPU) or chunk (CUDA), 
 KERNELS = ("cpu", "triton", "cuda", "cuda-emulated")
 EMULATION_THREADS = 64
 _MASTER_KIND = {dtype: code for dtype, code, _, _ in _contract.MASTER_ENCODINGS.values()}
-_MOMENT_KIND = {torch.float32: _contract.MOMENT_F32, torch.bfloat16: _contract.MOMENT_BF16,
-                torch.int8: _contract.MOMENT_INT8, torch.uint8: _contract.MOMENT_INT8}
+_MOMENT_KIND = {dtypes[0]: code for dtypes, code in _contract.MOMENT_ENCODINGS.values()}  # by the exp_avg's dtype
 _CTYPES = {"void*": ctypes.c_void_p, "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32}
 
 
@@ -46,7 +45,7 @@ class EmulatedCuda:
     build the records: ops_common.cpp). It does not validate its inputs: the op's checks are the
     compiled backends' (kernel.checks)."""
     NAME = "cuda-emulated"
-    COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})
+    COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"})
 
     def __init__(self, lib):
         self.lib = lib
@@ -79,8 +78,7 @@ class EmulatedCuda:
                 ctypes.byref(record), ctypes.c_double(float(h.lr)), ctypes.c_double(h.beta1), ctypes.c_double(h.beta2),
                 ctypes.c_double(h.eps), ctypes.c_double(h.weight_decay), ctypes.c_float(-factor if h.maximize else factor),
                 ctypes.c_int(grad_scale is not None), ctypes.c_float(unscale),
-                ctypes.c_uint64((rounding_seed or 0) & (2**64 - 1)), ctypes.c_int(record.moment_kind == _contract.MOMENT_INT8),
-                ctypes.c_int(EMULATION_THREADS))
+                ctypes.c_uint64((rounding_seed or 0) & (2**64 - 1)), ctypes.c_int(EMULATION_THREADS))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 // Host emulation of the CUDA compact update (csrc/cuda/compact_update.cuh) for
 // the cuda-emulated kernel of tests/compact/conftest.py: the device code compiled by the host compiler, a block's
 // threads run as std::threads, warp shuffles exchange through a barrier. It checks the code's
-// walk (lanes, groups, tails, int8 blocks and their scales, the random bits) on a machine without
+// walk (lanes, groups, tails, int8 / int4 blocks and their scales, the random bits) on a machine without
 // a GPU; the device's own arithmetic (intrinsics, fma contraction) only a GPU run checks.
 #include <condition_variable>
 #include <mutex>
@@ -58,10 +58,11 @@ float __shfl_xor_sync(unsigned int, float x, int lane_mask) {
 
 extern "C" {
 
-// One update of tensor *t as the compact variant steps it (every chunk through compact_update.cuh,
-// a block of `threads` threads per chunk), then its step counter advanced.
+// One update of tensor *t as the compact variants step it (every chunk through compact_update.cuh's
+// instance for its moments, as passes.cu picks it; a block of `threads` threads per chunk), then its
+// step counter advanced.
 void emulated_update(ampfused::UpdateTensor* t, double lr, double beta1, double beta2, double eps, double weight_decay,
-                     float factor, int write_grad, float unscale, uint64_t seed, int int8, int threads) {
+                     float factor, int write_grad, float unscale, uint64_t seed, int threads) {
   using namespace ampfused;
   const AdamWScalars s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, *t->step + 1.0f);
   blockDim.x = static_cast<unsigned int>(threads);
@@ -75,10 +76,12 @@ void emulated_update(ampfused::UpdateTensor* t, double lr, double beta1, double 
     for (int i = 0; i < threads; ++i) {
       pool.emplace_back([&, i] {
         threadIdx.x = static_cast<unsigned int>(i);
-        if (int8) {
-          cuda::compact_pass::update_chunk<true>(*t, start, end, s, factor, write_grad != 0, unscale, seed);
+        if (t->moment_kind == kMomentInt8) {
+          cuda::compact_pass::update_chunk<kMomentInt8>(*t, start, end, s, factor, write_grad != 0, unscale, seed);
+        } else if (t->moment_kind == kMomentInt4) {
+          cuda::compact_pass::update_chunk<kMomentInt4>(*t, start, end, s, factor, write_grad != 0, unscale, seed);
         } else {
-          cuda::compact_pass::update_chunk<false>(*t, start, end, s, factor, write_grad != 0, unscale, seed);
+          cuda::compact_pass::update_chunk<kMomentF32>(*t, start, end, s, factor, write_grad != 0, unscale, seed);
         }
       });
     }

@@ -17,16 +17,17 @@ else:
     BACKEND, WHY = _compiled.get_backend("cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason=f"CUDA backend unavailable: {WHY}")]
 
-N = 70_001
 SMALL = C.SMALL_TENSOR_NUMEL - 1
 NATIVE_MODES = [("split16", None), ("split8", "int8"), ("split16", torch.bfloat16), (False, torch.bfloat16),
-             ("fp32", "int8"), (False, "int8")]
+                ("fp32", "int8"), (False, "int8"), ("fp32", "int4"), ("split16", "int4"), (False, "int4")]
 
 
 def cuda_params(seed=0):
     g = torch.Generator().manual_seed(seed)
-    sizes = (N, 4096, SMALL, 17)  # int8 moments, one whole int8 row, and two below the threshold
-    return [torch.nn.Parameter((torch.randn(n, generator=g) / 4).to(torch.bfloat16).to("cuda")) for n in sizes]
+    # blockwise moments (int8 / int4: 2-D, from SMALL_TENSOR_NUMEL on) in rows of 1000, no whole number
+    # of blocks, past one 65536-element chunk, and in one whole row; two 1-D tensors keep fp32 moments
+    shapes = ((70, 1000), (1, 4096), (SMALL,), (17,))
+    return [torch.nn.Parameter((torch.randn(s, generator=g) / 4).to(torch.bfloat16).to("cuda")) for s in shapes]
 
 
 def cuda_train(params, backend, steps=6, **options):
@@ -36,7 +37,7 @@ def cuda_train(params, backend, steps=6, **options):
         for p in params:
             grad = torch.randn(p.shape, generator=g) * 1024.0
             if step == 3 and p is params[0]:
-                grad[5] = math.inf  # a skipped step
+                grad.view(-1)[5] = math.inf  # a skipped step
             p.grad = grad.to(p.dtype).to("cuda")
         opt.grad_scale = torch.tensor(1024.0, device="cuda")
         opt.step()
@@ -82,7 +83,7 @@ def test_compact_step_is_two_launches_and_never_syncs():
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     # one update launch per variant ([note: a launch per variant] in csrc/cuda/ops_cuda.cpp): the two
-    # int8-moment tensors, and the two below the int8 threshold (split8 masters, fp32 moments)
+    # int8-moment tensors, and the two 1-D ones (split8 masters, fp32 moments)
     assert sum("update_kernel" in n for n in names) == 2, names
     assert sum("stats_kernel" in n for n in names) == 1, names
 
