@@ -41,11 +41,12 @@ AMPFUSED_CONTRACT_HD bool is_compact(const UpdateTensor& t) {
          (t.stochastic != 0 && t.param_dtype == kBF16 && t.master == nullptr);
 }
 
-// [note: blocks in rows] (_contract.py) int8 blocks start at every row: a tensor whose rows are no
+// [note: blocks in rows] (_contract.py) int8 and int4 blocks start at every row: a tensor whose rows are no
 // whole number of blocks (and that has more than one row) is chunked in rows padded to whole
 // blocks, its work elements, and its chunks step whole blocks one at a time (row_block_start).
 AMPFUSED_CONTRACT_HD bool ragged_rows(const UpdateTensor& t) {
-  return t.moment_kind == kMomentInt8 && t.row_numel % compact::kBlock != 0 && t.row_numel != t.numel;
+  const bool blockwise = t.moment_kind == kMomentInt8 || t.moment_kind == kMomentInt4;
+  return blockwise && t.row_numel % compact::kBlock != 0 && t.row_numel != t.numel;
 }
 
 AMPFUSED_CONTRACT_HD int64_t padded_row(const UpdateTensor& t) {
