@@ -2,11 +2,11 @@
 
 On 2 and 4 gloo ranks, with and without MixedPrecisionPolicy, FusedAmpAdamW stepping the shards of a
 ``fully_shard`` model equals one process stepping the whole model on the same global gradients,
-bitwise: every param and every state tensor gathered with ``full_tensor()`` (int8 codes and their
-scales, split16 / split8 masters, bf16 moments), stochastic rounding included (its bits are keyed by
-the element's index in the whole tensor). The model's rows are no whole number of int8 blocks and its
-shards uneven (an empty one on 4 ranks). ``full_state_dict`` gathers every mode; a DCP checkpoint
-saved on 2 ranks loads on 4 and equals the one-process state.
+bitwise: every param and every state tensor gathered with ``full_tensor()`` (int8 and packed int4
+codes and their scales, split16 / split8 masters, bf16 moments), stochastic rounding included (its
+bits are keyed by the element's index in the whole tensor). The model's rows are no whole number of
+blocks and its shards uneven (an empty one on 4 ranks). ``full_state_dict`` gathers every mode; a DCP
+checkpoint saved on 2 ranks loads on 4, and the blockwise modes' on 1, and equals the one-process state.
 """
 import warnings
 
@@ -20,12 +20,15 @@ from test_fsdp2 import full
 
 pytestmark = requires_gloo
 STEPS = 3
-WIDTHS = (256, 70, 96, 3)  # weights [70, 256] (whole blocks), [96, 70] (rows of 70), [3, 96] (small: fp32 moments)
+# weights [70, 256] (whole blocks), [96, 70] (rows of 70), [3, 96] (small: fp32 moments); even rows: int4 applies
+WIDTHS = (256, 70, 96, 3)
+BLOCKWISE = ("int8", "int4")
 # (master_weights, state_dtype, stochastic_rounding) on a bf16 model
 BF16_MODES = [("fp32", "int8", False), ("split16", "int8", False), ("split8", "int8", False), (False, "int8", True),
-              ("split16", torch.float32, False), ("split8", torch.bfloat16, True), (False, torch.bfloat16, True)]
+              ("split16", torch.float32, False), ("split8", torch.bfloat16, True), (False, torch.bfloat16, True),
+              ("split16", "int4", False), (False, "int4", True)]
 # on an fp32 model under MixedPrecisionPolicy(bf16 compute): the params are their own masters
-MP_MODES = [(None, "int8", False), (None, torch.bfloat16, True)]
+MP_MODES = [(None, "int8", False), (None, torch.bfloat16, True), (None, "int4", False)]
 
 
 def compact_mlp(dtype, sharded, mp_policy=None):
@@ -105,10 +108,13 @@ def compare_to_one_process(rank, world, backend, mode, mp_policy):
     train_on_global_grads(sharded, opt, rank, True)
     train_on_global_grads(one, one_opt, rank, False)
     expected = gathered_state(one, one_opt)
-    if mode[1] == "int8":
-        assert any(k.endswith("_codes") for s in expected.values() for k in s), f"{what}: the test must hold int8 codes"
-        scales = next(v for p in sharded.parameters() for k, v in opt.state[p].items() if k.endswith("_scales"))
-        assert type(scales).__name__ == "DTensor", f"{what}: int8 scales of a DTensor param must be a DTensor"
+    if mode[1] in BLOCKWISE:
+        assert any(k.endswith("_codes") for s in expected.values() for k in s), f"{what}: the test must hold {mode[1]} codes"
+        for p in sharded.parameters():
+            for key, value in opt.state[p].items():
+                if key.endswith(("_codes", "_scales")):  # placed as the param: Shard(0) by rows
+                    assert type(value).__name__ == "DTensor", f"{what}: {key} of a DTensor param must be a DTensor"
+                    assert value.placements == p.placements, f"{what}: {key} placed {value.placements}"
     assert_same_gathered(expected, gathered_state(sharded, opt), what)
     return sharded, opt, one, one_opt
 
@@ -149,14 +155,17 @@ def _worker(rank, world, root):
             compare_to_one_process(rank, world, backend, mode, bf16)
 
 
-def _reshard_worker(rank, world, root):
-    """Checkpoints of 2 ranks load on ``world`` ranks: the same state, gathered, bitwise."""
+def _reshard_worker(rank, world, root, modes=None):
+    """Checkpoints of 2 ranks load on ``world`` ranks: the same state, gathered, bitwise (``modes``: the
+    indices into BF16_MODES to load; None: all)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.tensor import distribute_tensor
 
     backend = [b for b in rank_backends() if b != "triton"][-1]
     for n, mode in enumerate(BF16_MODES):
+        if modes is not None and n not in modes:
+            continue
         expected = torch.load(f"{root}/mode{n}.expected.pt", weights_only=True)
         model = compact_mlp(torch.bfloat16, True)
         opt = compact_opt(model, mode, backend)
@@ -172,14 +181,18 @@ def _reshard_worker(rank, world, root):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_on_shards_equals_one_process(world, tmp_path):
-    run(_worker, world, str(tmp_path) if world == 2 else None, timeout=420)
+    run(_worker, world, str(tmp_path) if world == 2 else None, timeout=540)
     if world == 2:
         run(_reshard_worker, 4, str(tmp_path), timeout=300)
+        # and onto one rank (a checkpoint consolidated for a single-process run): the blockwise modes,
+        # whose codes and scales are sharded by rows on 2 ranks and whole on 1
+        blockwise = [n for n, mode in enumerate(BF16_MODES) if mode[1] in BLOCKWISE]
+        run(_reshard_worker, 1, str(tmp_path), blockwise, timeout=300)
 
 
 def _refusal_worker(rank, world):
-    """Shards that are not whole rows (tensor parallelism's Shard(1)) are refused for int8 blocks and
-    stochastic rounding, naming the placement; element-wise modes take them."""
+    """Shards that are not whole rows (tensor parallelism's Shard(1)) are refused for int8 / int4 blocks
+    and stochastic rounding, naming the placement; element-wise modes take them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -187,6 +200,8 @@ def _refusal_worker(rank, world):
     p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 128).to(torch.bfloat16), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"sharded by rows \(Shard\(0\).*Shard\(dim=1\)"):
         ampfused.FusedAmpAdamW([p], state_dtype="int8")
+    with pytest.raises(ValueError, match=r"sharded by rows \(Shard\(0\).*Shard\(dim=1\)"):
+        ampfused.FusedAmpAdamW([p], state_dtype="int4")
     with pytest.raises(ValueError, match="stochastic_rounding=True .*Shard\\(dim=1\\)"):
         ampfused.FusedAmpAdamW([p], master_weights=False, stochastic_rounding=True)
     ampfused.FusedAmpAdamW([p], master_weights="split16", state_dtype=torch.bfloat16)
