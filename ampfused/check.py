@@ -25,7 +25,8 @@ Rules (the test suite's; ``tests/helpers.py`` takes its tolerances from here):
   param with a master is the round-to-nearest-even of its (decoded) master;
 - fp32 values (fp32 params, masters, moments, int8 block scales, ``grad_norm``): ``TOLERANCES``;
 - a 16-bit param (the rounding of its master) and bf16 moments: one bf16 ulp (2^-7 relative);
-- int8/uint8 moment codes: one grid step; a split8 master (decoded): 2^-14 relative (its unit).
+- int8/uint8 moment codes and int4 codes (unpacked, one per element): one grid step; a split8 master
+  (decoded): 2^-14 relative (its unit).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor
 
 from . import _backends, _compact, _gpu_advice, check_oracle
+from ._contract import moment_encoding
 from .optim import FusedAmpAdamW
 from .scaler import GradScaler
 
@@ -102,6 +104,9 @@ CASES = (
     # the tensor's end), one small (stays fp32)
     Case("int8-moments", (((_compact.SMALL_TENSOR_NUMEL // 300 + 3, 300), BF16), ((7,), BF16)),
          dict(state_dtype="int8", amsgrad=True)),
+    # the same with int4 codes (rows of 300: an even last dimension, two codes per byte) and a split16 master
+    Case("int4-moments", (((_compact.SMALL_TENSOR_NUMEL // 300 + 3, 300), BF16), ((7,), BF16)),
+         dict(state_dtype="int4", master_weights="split16", amsgrad=True)),
     Case("cuda-graph", MIXED, dict(fp32_grad_accumulation=False, amsgrad=True, max_grad_norm=0.5), steps=4,
          bad_step=2, graph=True),
 )
@@ -242,10 +247,13 @@ def rule_of(key: str, tensor: Tensor, backend: str, skipped: bool):
 
 
 def compared(snap: dict) -> dict:
-    """The snapshot as compared: split masters decoded to fp32 (key kept), fp32 grad_norm as is."""
+    """The snapshot as compared: split masters decoded to fp32 (key kept), int4 codes unpacked (a grid
+    step is one in either nibble), fp32 grad_norm as is."""
     out = {}
     for (key, i), value in snap.items():
-        if key == "master_low16":
+        if key.endswith("_codes") and moment_encoding(snap[("exp_avg_codes", i)]) == "int4":
+            value = _compact.unpack4(value.cpu())
+        elif key == "master_low16":
             value = _compact.join16(snap[("param", i)].cpu(), value.cpu())
         elif key == "master_residual8":
             value = _compact.join8(snap[("param", i)].cpu(), value.cpu())
