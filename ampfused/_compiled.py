@@ -187,7 +187,7 @@ def copy_back_unscaled(grads, kernel_grads) -> None:
 
 # The compact encodings (DESIGN §9) each device's update kernel serves natively; the others go to
 # the reference passes inside the same step (functional.run_step).
-COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "int8", "sr"}),
+COMPACT_MODES = {"cpu": frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"}),
                  "cuda": frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"})}
 
 

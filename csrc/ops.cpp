@@ -24,9 +24,9 @@
 // Compact state (DESIGN §9) is told by the dtypes of masters and moments (ops_common.h);
 // rounding_seed (None: round to nearest even) makes the bf16 writes without an exact master
 // stochastic, from a counter-based hash of (seed, list index, element index). moment_scales (None
-// when no tensor has int8 moments) holds three entries per tensor, the fp32 block scales of its
-// exp_avg, exp_avg_sq and max_exp_avg_sq codes, an empty tensor where it has none; a kernel that
-// does not serve int8 moments refuses them.
+// when no tensor has int8 or int4 moments) holds three entries per tensor, the fp32 block scales of
+// its exp_avg, exp_avg_sq and max_exp_avg_sq codes, an empty tensor where it has none; a kernel that
+// does not serve int8 (int4) moments refuses them.
 //
 // grad_stats with check_nonfinite=false lets only found_inf skip (skip_nonfinite=False).
 TORCH_LIBRARY(ampfused, m) {

@@ -34,38 +34,67 @@ void check_like(const at::Tensor& t, const at::Tensor& param, const char* what, 
               "] (both contiguous, or the same sizes and strides)");
 }
 
-// The moment kind of tensor i, told by its exp_avg buffer: float32, bfloat16 (state_dtype=torch.bfloat16),
-// or with `int8_ok` int8 codes (state_dtype="int8"); its exp_avg_sq (and max_exp_avg_sq) must then be
-// of that kind's dtype (exp_avg_sq_dtype_of: uint8 codes for int8).
-int32_t moment_kind_of(const at::Tensor& exp_avg, const at::Tensor& param, size_t i, bool int8_ok) {
-  check_like(exp_avg, param, "exp_avgs", i);
-  const int32_t kind = exp_avg_kind_of(exp_avg.scalar_type());
-  TORCH_CHECK(kind != kMomentInt4, "ampfused: exp_avgs[", i, "] holds int4 moment codes (uint8): int4 moments are not served by these kernels");
-  if (kind == kMomentInt8) {
-    TORCH_CHECK(int8_ok, "ampfused: exp_avgs[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
+// int4 codes of tensor i ([note: int4 packing] in _contract.py): the kernels find element k's code in
+// byte k / 2, which holds for a contiguous param whose last dimension is even (every row starts on a
+// byte) and contiguous codes of half its elements (packed_shape).
+void check_int4_codes(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i) {
+  TORCH_CHECK(t.defined(), "ampfused: ", what, "[", i, "] is undefined");
+  TORCH_CHECK(t.device() == param.device(), "ampfused: ", what, "[", i, "] is on ", t.device(), " but params[", i, "] is on ", param.device());
+  TORCH_CHECK(param.dim() > 0 && param.size(-1) % 2 == 0 && param.is_contiguous(), "ampfused: ", what, "[", i,
+              "] holds int4 codes, two per byte, which need a contiguous params[", i, "] whose last dimension is even; ",
+              "params[", i, "] has sizes ", param.sizes(), " and strides ", param.strides());
+  TORCH_CHECK(t.numel() * 2 == param.numel() && t.is_contiguous(), "ampfused: ", what, "[", i, "] holds int4 codes ",
+              "and must be a contiguous uint8 tensor of ", param.numel() / 2, " bytes (two codes per byte for the ",
+              param.numel(), " elements of params[", i, "]: packed_shape), got ", t.numel(), " bytes",
+              t.is_contiguous() ? "" : ", not contiguous");
+}
+
+// A moment buffer of tensor i laid out for its moment kind: as the param, or as its packed int4 codes.
+void check_moment_layout(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, int32_t kind) {
+  if (kind == kMomentInt4) {
+    check_int4_codes(t, param, what, i);
+  } else {
+    check_like(t, param, what, i);
   }
-  TORCH_CHECK(kind >= 0, "ampfused: exp_avgs[", i, "] must be ", int8_ok ? kMomentDtypeNames : kFloatMomentDtypeNames,
+}
+
+const char* codes_name(int32_t kind) { return kind == kMomentInt4 ? "int4" : "int8"; }
+
+// The moment kind of tensor i, told by its exp_avg buffer: float32, bfloat16 (state_dtype=torch.bfloat16),
+// with `int8_ok` int8 codes (state_dtype="int8"), with `int4_ok` uint8 bytes of 4-bit codes
+// (state_dtype="int4"); its exp_avg_sq (and max_exp_avg_sq) must then be of that kind's dtype
+// (exp_avg_sq_dtype_of: uint8 codes for int8 and int4).
+int32_t moment_kind_of(const at::Tensor& exp_avg, const at::Tensor& param, size_t i, bool int8_ok, bool int4_ok) {
+  TORCH_CHECK(exp_avg.defined(), "ampfused: exp_avgs[", i, "] is undefined");
+  const int32_t kind = exp_avg_kind_of(exp_avg.scalar_type());
+  TORCH_CHECK(kind != kMomentInt8 || int8_ok, "ampfused: exp_avgs[", i, "] holds int8 moment codes: int8 moments are not served by these kernels");
+  TORCH_CHECK(kind != kMomentInt4 || int4_ok, "ampfused: exp_avgs[", i, "] holds int4 moment codes (uint8): int4 moments are not served by these kernels");
+  TORCH_CHECK(kind >= 0, "ampfused: exp_avgs[", i, "] must be ", int8_ok || int4_ok ? kMomentDtypeNames : kFloatMomentDtypeNames,
               ", got ", exp_avg.scalar_type());
+  check_moment_layout(exp_avg, param, "exp_avgs", i, kind);
   return kind;
 }
 
 // exp_avg_sq / max_exp_avg_sq of tensor i against its exp_avg's moment kind.
 void check_square(const at::Tensor& t, const at::Tensor& param, const char* what, size_t i, int32_t kind) {
-  check_like(t, param, what, i);
+  TORCH_CHECK(t.defined(), "ampfused: ", what, "[", i, "] is undefined");
   TORCH_CHECK(t.scalar_type() == exp_avg_sq_dtype_of(kind), "ampfused: ", what, "[", i, "] is ", t.scalar_type(),
               " but exp_avgs[", i, "] takes ", exp_avg_sq_dtype_of(kind), " squares: a tensor's moments share one dtype",
-              " (int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes)");
+              " (int8 moments keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes; int4 moments",
+              " keep all three as uint8 bytes of two codes)");
+  check_moment_layout(t, param, what, i, kind);
 }
 
-// The fp32 block scales of tensor i's int8 codes (entry `slot` of its three in moment_scales).
+// The fp32 block scales of tensor i's int8 or int4 codes (entry `slot` of its three in moment_scales).
 // Elements per row of a tensor's block grid (_contract.block_rows): a dim-0 slice, or the whole of a 0-d or 1-d tensor.
 int64_t row_numel_of(const at::Tensor& param) {
   return param.dim() < 2 || param.size(0) == 0 ? param.numel() : param.numel() / param.size(0);
 }
 
 float* scales_of(const std::optional<at::TensorList>& moment_scales, size_t i, int slot, const at::Tensor& param,
-                 const char* what) {
-  TORCH_CHECK(moment_scales.has_value(), "ampfused: ", what, "[", i, "] holds int8 codes but moment_scales is None");
+                 const char* what, int32_t kind) {
+  TORCH_CHECK(moment_scales.has_value(), "ampfused: ", what, "[", i, "] holds ", codes_name(kind),
+              " codes but moment_scales is None");
   const at::Tensor& s = (*moment_scales)[3 * i + slot];
   const int64_t row = row_numel_of(param);
   const int64_t rows = param.dim() < 2 ? 1 : param.size(0);
@@ -131,7 +160,7 @@ UpdateCall collect_update(
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
     std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
     at::OptionalIntArrayRef rounding_index, at::OptionalIntArrayRef element_base, c10::DeviceType device_type,
-    bool int8_moments) {
+    bool int8_moments, bool int4_moments) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && max_exp_avg_sqs.size() == n &&
                   steps.size() == n && masters.size() == n && groups.size() == n,
@@ -192,7 +221,7 @@ UpdateCall collect_update(
     const bool amsgrad = (out.groups[groups[i]].flags & kFlagAmsgrad) != 0;
     check_like(grads[i], p, "grads", i);
     UpdateTensor t{};
-    t.moment_kind = moment_kind_of(exp_avgs[i], p, i, int8_moments);
+    t.moment_kind = moment_kind_of(exp_avgs[i], p, i, int8_moments, int4_moments);
     check_square(exp_avg_sqs[i], p, "exp_avg_sqs", i, t.moment_kind);
     t.param = p.data_ptr();
     t.grad = grads[i].data_ptr();
@@ -208,14 +237,16 @@ UpdateCall collect_update(
         t.max_exp_avg_sq = static_cast<float*>(vmax.data_ptr());
       }
     }
-    if (t.moment_kind == kMomentInt8) {
-      t.exp_avg_scales = scales_of(moment_scales, i, 0, p, "exp_avgs");
-      t.exp_avg_sq_scales = scales_of(moment_scales, i, 1, p, "exp_avg_sqs");
-      if (t.max_exp_avg_sq != nullptr) t.max_exp_avg_sq_scales = scales_of(moment_scales, i, 2, p, "max_exp_avg_sqs");
+    if (t.moment_kind == kMomentInt8 || t.moment_kind == kMomentInt4) {
+      t.exp_avg_scales = scales_of(moment_scales, i, 0, p, "exp_avgs", t.moment_kind);
+      t.exp_avg_sq_scales = scales_of(moment_scales, i, 1, p, "exp_avg_sqs", t.moment_kind);
+      if (t.max_exp_avg_sq != nullptr) {
+        t.max_exp_avg_sq_scales = scales_of(moment_scales, i, 2, p, "max_exp_avg_sqs", t.moment_kind);
+      }
     } else if (moment_scales.has_value()) {
       for (int slot = 0; slot < 3; ++slot) {
         TORCH_CHECK(!present((*moment_scales)[3 * i + slot]), "ampfused: moment_scales[", 3 * i + slot,
-                    "] is given but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(), ", not int8 codes");
+                    "] is given but exp_avgs[", i, "] is ", exp_avgs[i].scalar_type(), ", not int8 or int4 codes");
       }
     }
     const at::Tensor& master = masters[i];

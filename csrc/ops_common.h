@@ -37,7 +37,8 @@ struct UpdateCall {
 // lists] in ops.cpp). The dtypes of masters and moments give each record its compact kinds
 // (contract.h): float32 / bf16 bits (split16, bf16 params) / int8 (split8) masters; float32 or
 // bfloat16 moments, the same for all of a tensor's moments, or with `int8_moments` int8/uint8
-// codes whose block scales come in moment_scales (three entries per tensor, see ops.cpp).
+// codes, with `int4_moments` uint8 bytes of two 4-bit codes ([note: int4 packing] in _contract.py),
+// whose block scales come in moment_scales (three entries per tensor, see ops.cpp).
 UpdateCall collect_update(
     at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
     at::TensorList max_exp_avg_sqs, at::TensorList steps, at::TensorList masters, at::IntArrayRef groups,
@@ -46,12 +47,14 @@ UpdateCall collect_update(
     const at::Tensor& stats, const std::optional<at::Tensor>& scratch, const std::optional<at::Tensor>& grad_scale,
     std::optional<int64_t> rounding_seed, const std::optional<at::TensorList>& moment_scales,
     at::OptionalIntArrayRef rounding_index, at::OptionalIntArrayRef element_base, c10::DeviceType device_type,
-    bool int8_moments);
+    bool int8_moments, bool int4_moments);
 
 // adamw_update as registered for one device type (the schema is in ops.cpp): the arguments are
-// collected by the one path above, and `Run` gets the call when it has a tensor. kInt8Moments: `Run`
-// serves int8 moments (others refuse them in the checks, before anything is written).
-template <c10::DeviceType kDevice, void (*Run)(const UpdateCall&), bool kInt8Moments = false>
+// collected by the one path above, and `Run` gets the call when it has a tensor. kInt8Moments /
+// kInt4Moments: `Run` serves int8 / int4 moments (others refuse them in the checks, before anything
+// is written).
+template <c10::DeviceType kDevice, void (*Run)(const UpdateCall&), bool kInt8Moments = false,
+          bool kInt4Moments = false>
 void adamw_update_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                      at::TensorList max_exp_avg_sqs, at::TensorList steps, at::TensorList masters,
                      at::IntArrayRef groups, at::ArrayRef<double> lrs,
@@ -64,7 +67,7 @@ void adamw_update_op(at::TensorList params, at::TensorList grads, at::TensorList
   const UpdateCall call = collect_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, groups,
                                          lrs, lr_tensors, beta1s, beta2s, epss, weight_decays, flags, stats, scratch,
                                          grad_scale, rounding_seed, moment_scales, rounding_index, element_base, kDevice,
-                                         kInt8Moments);
+                                         kInt8Moments, kInt4Moments);
   if (!call.tensors.empty()) Run(call);
 }
 

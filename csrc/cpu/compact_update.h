@@ -1,12 +1,12 @@
-// The CPU update of tensors with compact state (DESIGN §9): split16 / split8 masters, bf16 and
-// int8 moments, stochastic rounding. Included by each ISA file right after kernels_impl.h (whose
+// The CPU update of tensors with compact state (DESIGN §9): split16 / split8 masters, bf16, int8
+// and int4 moments, stochastic rounding. Included by each ISA file right after kernels_impl.h (whose
 // widen/narrow it uses), into the same namespace; ops_cpu.cpp sends a range here when contract.h's
 // is_compact says so, in the same parallel loop as the fp32 ranges.
 //
 // A range is walked in blocks of kConvert elements through float buffers
 // in L1, one phase per job: decode the weights (join16 / join8, or the param; an fp32 master is
 // stepped in place), the AdamW math with the moments read and written in their encoding (int8
-// codes 256 elements at a time: [note: int8 by blocks]), then encode the weights (split16 /
+// and int4 codes 256 elements at a time: [note: int8 by blocks], [note: int4 by blocks]), then encode the weights (split16 /
 // split8, or the param RNE or stochastically rounded). Each phase is a
 // branch-free loop templated on its own choices only (param type x master kind, moment kind x
 // amsgrad x rounding), so few instantiations cover every combination and each one vectorizes.
@@ -216,10 +216,11 @@ void encode_block(C* __restrict out, const float* __restrict x, int64_t len, flo
 }
 
 // The elements from `at` (a block boundary) to the end of the last whole block within `limit` of
-// them: where a walk through int8 moments may stop ([note: blocks in rows] in _contract.py).
+// them: where a walk through int8 or int4 moments may stop ([note: blocks in rows] in _contract.py).
 inline int64_t whole_blocks(const UpdateRange& r, int64_t at, int64_t limit) {
   const int64_t row = r.row_numel;
-  if (!ragged_rows(r)) return r.end - at < limit ? r.end - at : limit;
+  // rows of whole blocks, or one row: every kBlock-th element starts a block (contract.h's ragged_rows, for both kinds)
+  if (row % compact::kBlock == 0 || row == r.numel) return r.end - at < limit ? r.end - at : limit;
   int64_t n = 0;
   for (;;) {
     const int64_t rest = row - (at + n) % row;
@@ -266,6 +267,171 @@ void step_int8(float* __restrict w, const float* __restrict g, const UpdateRange
     encode_block<int8_t, &signed_code>(mc + b, mb, len, m_new);
     encode_block<uint8_t, &sqrt_code>(vc + b, vb, len, v_new);
     if (AMSGRAD) encode_block<uint8_t, &sqrt_code>(xc + b, xb, len, x_new);
+    m_scale[blk] = m_new;
+    v_scale[blk] = v_new;
+    if (AMSGRAD) x_scale[blk] = x_new;
+  }
+}
+
+// ------------------------------------------------------------------ phase 2 with int4 moments
+
+// [note: int4 by blocks] As [note: int8 by blocks], with the codes two per byte (element 2i in the
+// low nibble of byte i, [note: int4 packing]): every block starts at an even element, so the codes
+// of elements at..at+n are the bytes at/2..(at+n)/2. A block is walked in three loops through L1
+// buffers: decode (a 16-level lookup: one permute of the level table per vector), the math (the
+// loop of step_int8, on floats), encode (y = x / scale, the count of bounds below y by a binary
+// search over the ascending table, and the nibbles packed). The tables are the generated ones; any
+// ascending 15 bounds and 16 levels work.
+constexpr bool ascending(const float* x, int n) { return n < 2 || (x[0] < x[1] && ascending(x + 1, n - 1)); }
+static_assert(ascending(compact::kInt4SignedBounds, 15) && ascending(compact::kInt4SqrtBounds, 15),
+              "the int4 encoders search the bounds: they must ascend");
+
+// GCC 12 warns of the undefined source operand inside its own AVX-512 intrinsics (GCC bug 105593)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// out[j] = levels[code of element j] * scale (SQUARE: its square) for the len (even) elements whose codes are `codes`
+template <bool SQUARE>
+void decode4_block(float* __restrict out, const uint8_t* __restrict codes, int64_t len, const float* levels,
+                   float scale) {
+  int64_t j = 0;
+#if AMPFUSED_VECTOR_BYTES >= 64
+  // 8 bytes zero-extended to 8 qwords; q | q << 28 holds byte i's low nibble in dword 2i's low bits
+  // and its high nibble in dword 2i + 1's: vpermps reads only an index's low 4 bits
+  const __m512 table = _mm512_loadu_ps(levels), s = _mm512_set1_ps(scale);
+  for (; j + 16 <= len; j += 16) {
+    const __m512i q = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j / 2)));
+    __m512 x = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_or_si512(q, _mm512_slli_epi64(q, 28)), table), s);
+    if constexpr (SQUARE) x = _mm512_mul_ps(x, x);
+    _mm512_storeu_ps(out + j, x);
+  }
+#elif AMPFUSED_VECTOR_BYTES >= 32
+  // the same with 4 bytes; the 16 levels are two 8-level halves, chosen by the index's bit 3 (moved to the sign bit)
+  const __m256 low = _mm256_loadu_ps(levels), high = _mm256_loadu_ps(levels + 8), s = _mm256_set1_ps(scale);
+  for (; j + 8 <= len; j += 8) {
+    int32_t four;
+    std::memcpy(&four, codes + j / 2, 4);
+    const __m256i q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(four));
+    const __m256i idx = _mm256_or_si256(q, _mm256_slli_epi64(q, 28));
+    const __m256 pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+    __m256 x = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, idx), _mm256_permutevar8x32_ps(high, idx), pick);
+    x = _mm256_mul_ps(x, s);
+    if constexpr (SQUARE) x = _mm256_mul_ps(x, x);
+    _mm256_storeu_ps(out + j, x);
+  }
+#endif
+  for (; j < len; j += 2) {  // the baseline build, and the last elements of a row shorter than a vector
+    const uint8_t byte = codes[j / 2];
+    const float a = levels[byte & 0xF] * scale, b = levels[byte >> 4] * scale;
+    out[j] = SQUARE ? a * a : a;
+    out[j + 1] = SQUARE ? b * b : b;
+  }
+}
+
+// The code of y: the number of the 15 ascending bounds strictly below it, a non-finite y counted as 0.
+AMPFUSED_HD uint32_t code4(float y, const float* bounds) {
+  const float x = abs_bits(y) < 0x7F800000u ? y : 0.0f;
+  uint32_t k = 0;
+  for (int i = 0; i < 15; ++i) k += x > bounds[i] ? 1u : 0u;
+  return k;
+}
+
+// The packed codes of x[j] / scale for the len (even) elements of one block.
+void encode4_block(uint8_t* __restrict codes, const float* __restrict x, int64_t len, const float* bounds,
+                   float scale) {
+  int64_t j = 0;
+  // scale is the block's max |x|: where it is finite and not 0, every |y| <= 1 is finite (no select needed)
+  [[maybe_unused]] const bool bounded = abs_bits(scale) - 1u < 0x7F800000u - 1u;
+#if AMPFUSED_VECTOR_BYTES >= 64
+  // binary search: k grows by 8, 4, 2, 1 where y is above bound k + step - 1 (bound 7 first, then
+  // indices up to 14, read by a permute of the table); each k dword pair becomes one byte (k_odd << 4 | k_even) by a qword
+  // shift and vpmovqb
+  const __m512 table = _mm512_maskz_loadu_ps(0x7FFF, bounds), s = _mm512_set1_ps(scale), middle = _mm512_set1_ps(bounds[7]);
+  const __m512i inf_bits = _mm512_set1_epi32(0x7F800000), magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  for (; j + 16 <= len; j += 16) {
+    __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + j), s);
+    if (!bounded) {
+      const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), magnitude);
+      y = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(a, inf_bits), y);
+    }
+    __m512i k = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, middle, _CMP_GT_OQ), _mm512_set1_epi32(8));
+    for (int step = 4; step >= 1; step /= 2) {
+      const __m512i step_v = _mm512_set1_epi32(step);
+      const __m512 bound = _mm512_permutexvar_ps(_mm512_add_epi32(k, _mm512_set1_epi32(step - 1)), table);
+      k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(y, bound, _CMP_GT_OQ), k, step_v);
+    }
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j / 2),
+                     _mm512_cvtepi64_epi8(_mm512_or_si512(k, _mm512_srli_epi64(k, 28))));
+  }
+#elif AMPFUSED_VECTOR_BYTES >= 32
+  // 15 comparisons (a 16-entry permute is two on AVX2); each k dword pair becomes one byte by a
+  // qword shift, and the 4 bytes are gathered by one byte shuffle per 128-bit lane
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i inf_bits = _mm256_set1_epi32(0x7F800000), magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i gather = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (; j + 8 <= len; j += 8) {
+    __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), s);
+    if (!bounded) {
+      const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), magnitude);
+      y = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_cmpgt_epi32(inf_bits, a)));
+    }
+    __m256i k = _mm256_setzero_si256();
+    for (int i = 0; i < 15; ++i) {  // a true comparison is all ones: -1
+      k = _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_set1_ps(bounds[i]), _CMP_GT_OQ)));
+    }
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_or_si256(k, _mm256_srli_epi64(k, 28)), gather);
+    const int32_t four = _mm_cvtsi128_si32(_mm_or_si128(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
+    std::memcpy(codes + j / 2, &four, 4);
+  }
+#endif
+  for (; j < len; j += 2) {  // the baseline build, and the last elements of a row shorter than a vector
+    codes[j / 2] = static_cast<uint8_t>(code4(x[j] / scale, bounds) | code4(x[j + 1] / scale, bounds) << 4);
+  }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+template <bool AMSGRAD>
+void step_int4(float* __restrict w, const float* __restrict g, const UpdateRange& r, int64_t at, int64_t n) {
+  const Setup st(r, at);
+  uint8_t* __restrict mc = static_cast<uint8_t*>(st.m) + at / 2;
+  uint8_t* __restrict vc = static_cast<uint8_t*>(st.v) + at / 2;
+  uint8_t* __restrict xc = AMSGRAD ? static_cast<uint8_t*>(st.vmax) + at / 2 : nullptr;
+  float* __restrict m_scale = r.exp_avg_scales;
+  float* __restrict v_scale = r.exp_avg_sq_scales;
+  float* __restrict x_scale = AMSGRAD ? r.max_exp_avg_sq_scales : nullptr;
+  float mb[compact::kBlock], vb[compact::kBlock], xb[compact::kBlock];
+  const int64_t row = r.row_numel, per_row = (row + compact::kBlock - 1) / compact::kBlock;
+  for (int64_t b = 0, len = 0; b < n; b += len) {
+    const int64_t e = at + b, in_row = e % row;
+    len = row - in_row < compact::kBlock ? row - in_row : compact::kBlock;
+    len = n - b < len ? n - b : len;
+    const int64_t blk = e / row * per_row + in_row / compact::kBlock;
+    decode4_block<false>(mb, mc + b / 2, len, compact::kInt4SignedLevels, m_scale[blk]);
+    decode4_block<true>(vb, vc + b / 2, len, compact::kInt4SqrtLevels, v_scale[blk]);
+    if (AMSGRAD) decode4_block<true>(xb, xc + b / 2, len, compact::kInt4SqrtLevels, x_scale[blk]);
+    uint32_t m_max = 0, v_max = 0, x_max = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      float mi = mb[j], vi = vb[j], xi = AMSGRAD ? xb[j] : 0.f;
+      adamw_element<AMSGRAD>(w[b + j], g[b + j] * st.factor, mi, vi, xi, st.s);
+      mb[j] = mi;
+      vb[j] = std::sqrt(vi);
+      m_max = m_max > abs_bits(mi) ? m_max : abs_bits(mi);
+      v_max = v_max > abs_bits(vb[j]) ? v_max : abs_bits(vb[j]);
+      if (AMSGRAD) {
+        xb[j] = std::sqrt(xi);
+        x_max = x_max > abs_bits(xb[j]) ? x_max : abs_bits(xb[j]);
+      }
+    }
+    const float m_new = compact::float_of(m_max), v_new = compact::float_of(v_max), x_new = compact::float_of(x_max);
+    encode4_block(mc + b / 2, mb, len, compact::kInt4SignedBounds, m_new);
+    encode4_block(vc + b / 2, vb, len, compact::kInt4SqrtBounds, v_new);
+    if (AMSGRAD) encode4_block(xc + b / 2, xb, len, compact::kInt4SqrtBounds, x_new);
     m_scale[blk] = m_new;
     v_scale[blk] = v_new;
     if (AMSGRAD) x_scale[blk] = x_new;
@@ -421,6 +587,8 @@ void compact_update(const UpdateRange& r) {
   StepFn step = r.moment_kind == kMomentBF16 ? step_for_m<true>(amsgrad, sr) : step_for_m<false>(amsgrad, false);
   if (r.moment_kind == kMomentInt8) {  // [note: int8 by blocks]: codes are never rounded stochastically
     step = amsgrad ? &step_int8<true> : &step_int8<false>;
+  } else if (r.moment_kind == kMomentInt4) {  // [note: int4 by blocks]
+    step = amsgrad ? &step_int4<true> : &step_int4<false>;
   } else if (mk == kMasterSplit16) {  // [note: fused split16]
     load = &no_weights;
     store = &no_store;
@@ -433,9 +601,9 @@ void compact_update(const UpdateRange& r) {
   }
   if (load == nullptr || store == nullptr) return;  // unreachable: collect_update checked the pairs
   float wbuf[kConvert], gbuf[kConvert], tmp[kConvert];
-  const bool int8 = r.moment_kind == kMomentInt8;
+  const bool blockwise = r.moment_kind == kMomentInt8 || r.moment_kind == kMomentInt4;
   for (int64_t at = r.begin, n = 0; at < r.end; at += n) {
-    n = int8 ? whole_blocks(r, at, kConvert) : (r.end - at < kConvert ? r.end - at : kConvert);
+    n = blockwise ? whole_blocks(r, at, kConvert) : (r.end - at < kConvert ? r.end - at : kConvert);
     const float* g;
     switch (r.grad_dtype) {
       case kF32: grad_block<float>(r, at, n, gbuf, g); break;

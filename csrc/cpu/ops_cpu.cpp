@@ -172,12 +172,18 @@ void grad_stats_cpu(at::TensorList grads, const std::optional<at::Tensor>& grad_
 }
 
 // The end of the update range that starts at element `b` of `t` (a block boundary): kRange elements
-// on, and for int8 moments on a block boundary too ([note: blocks in rows] in _contract.py: a row's
+// on, and for int8 / int4 moments on a block boundary too ([note: blocks in rows] in _contract.py: a row's
 // last block may be short, so a row that is no whole number of blocks counts kRange in its padded length).
 int64_t range_end(const UpdateTensor& t, int64_t b) {
-  if (!ragged_rows(t)) return std::min(t.numel, b + kRange);
-  const int64_t v = b / t.row_numel * padded_row(t) + b % t.row_numel + kRange;  // b's work position, kRange on
-  return std::min(t.numel, element_at(t, v));
+  if (ragged_rows(t)) {
+    const int64_t v = b / t.row_numel * padded_row(t) + b % t.row_numel + kRange;  // b's work position, kRange on
+    return std::min(t.numel, element_at(t, v));
+  }
+  const int64_t e = std::min(t.numel, b + kRange);
+  if ((t.moment_kind != kMomentInt8 && t.moment_kind != kMomentInt4) || e == t.numel) return e;
+  // the last block start at or before e (past b: a block is shorter than kRange), blocks starting at every row
+  const int64_t row_start = e / t.row_numel * t.row_numel;
+  return row_start + (e - row_start) / compact::kBlock * compact::kBlock;
 }
 
 void adamw_update_cpu(const UpdateCall& call) {
@@ -246,7 +252,7 @@ const IsaKernels& kernels() {
 TORCH_LIBRARY_IMPL(ampfused, CPU, m) {
   m.impl("accumulate", &ampfused::cpu::accumulate_cpu);
   m.impl("grad_stats", &ampfused::cpu::grad_stats_cpu);
-  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu, /*int8 moments*/ true>);
+  m.impl("adamw_update", &ampfused::adamw_update_op<c10::DeviceType::CPU, ampfused::cpu::adamw_update_cpu, /*int8 moments*/ true, /*int4 moments*/ true>);
   m.impl("scaler_update", &ampfused::cpu::scaler_update_cpu);
 }
 

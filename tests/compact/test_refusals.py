@@ -43,19 +43,21 @@ def errors_of(kernel, compiled, triton):
     return triton if kernel.name == "triton" else compiled
 
 
-def test_int8_codes_without_scales_are_refused(checked_kernel):
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_blockwise_codes_without_scales_are_refused(checked_kernel, state_dtype):
     kernel = checked_kernel
-    entry = kernel.entry(C.SMALL_TENSOR_NUMEL + 300, torch.bfloat16, "fp32", "int8")
+    entry = kernel.entry(C.SMALL_TENSOR_NUMEL + 300, torch.bfloat16, "fp32", state_dtype)
     refused(kernel, [entry], errors_of(kernel, RuntimeError, ValueError), "moment_scales", moment_scales=None)
 
 
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("bad", ["short", "float64", "on a float moment"])
-def test_bad_int8_scales_are_refused_before_anything_is_written(checked_kernel, bad):
+def test_bad_blockwise_scales_are_refused_before_anything_is_written(checked_kernel, bad, state_dtype):
     """Every tensor is checked before the first write: a bad entry of the second tensor leaves the first untouched."""
     kernel = checked_kernel
     n = C.SMALL_TENSOR_NUMEL + 300
-    good = kernel.entry(n, torch.bfloat16, "split8", "int8", seed=70)
-    other = kernel.entry(n, torch.bfloat16, "split8", "int8" if bad != "on a float moment" else torch.float32, seed=71)
+    good = kernel.entry(n, torch.bfloat16, "split8", state_dtype, seed=70)
+    other = kernel.entry(n, torch.bfloat16, "split8", state_dtype if bad != "on a float moment" else torch.float32, seed=71)
     scales = update_lists([good, other])["moment_scales"]
     if bad == "short":
         scales[1] = (scales[1][0][:-1], scales[1][1], None)
@@ -66,11 +68,14 @@ def test_bad_int8_scales_are_refused_before_anything_is_written(checked_kernel, 
     refused(kernel, [good, other], errors_of(kernel, RuntimeError, (ValueError, TypeError)), "scales", moment_scales=scales)
 
 
-def bad_entry(kernel, param_dtype=torch.bfloat16, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
+def bad_entry(kernel, param_dtype=torch.bfloat16, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+              packed=()):
+    """A 300-element param with moments of these dtypes, those named in ``packed`` of 150 bytes (int4 codes)."""
     param = torch.randn(300).to(param_dtype).to(kernel.device)
     state = {"step": torch.tensor(0.0, device=kernel.device),
-             "exp_avg": torch.zeros(300, dtype=exp_avg_dtype, device=kernel.device),
-             "exp_avg_sq": torch.zeros(300, dtype=exp_avg_sq_dtype, device=kernel.device)}
+             "exp_avg": torch.zeros(150 if "exp_avg" in packed else 300, dtype=exp_avg_dtype, device=kernel.device),
+             "exp_avg_sq": torch.zeros(150 if "exp_avg_sq" in packed else 300, dtype=exp_avg_sq_dtype,
+                                       device=kernel.device)}
     return param, torch.ones(300, dtype=param_dtype, device=kernel.device), state
 
 
@@ -85,8 +90,18 @@ BAD_DTYPES = {
                      "master"),
     "int8 codes, no scales": (dict(exp_avg_dtype=torch.int8, exp_avg_sq_dtype=torch.uint8), {},
                               "holds int8 codes but moment_scales is None", "moment_scales"),
-    "uint8 exp_avg codes": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), {},
-                            "keep exp_avg as int8 codes and exp_avg_sq / max_exp_avg_sq as uint8 codes", "int8"),
+    "uint8 exp_avg codes, int8's size": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8), {},
+                                         "holds int4 codes and must be a contiguous uint8 tensor of 150 bytes",
+                                         "packed_shape"),
+    "int4 codes, no scales": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+                                   packed=("exp_avg", "exp_avg_sq")), {},
+                              "holds int4 codes but moment_scales is None", "moment_scales"),
+    "int4 exp_avg, int8 exp_avg_sq": (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+                                           packed=("exp_avg",)), {},
+                                      "exp_avg_sqs[0] holds int4 codes and must be a contiguous uint8 tensor of 150 bytes",
+                                      "packed_shape"),
+    "int4 exp_avg, fp32 exp_avg_sq": (dict(exp_avg_dtype=torch.uint8, packed=("exp_avg",)), {},
+                                      "int4 moments keep all three as uint8 bytes of two codes", "exp_avg_sqs[0]"),
     "mixed moment dtypes": (dict(exp_avg_dtype=torch.bfloat16), {}, "a tensor's moments share one dtype", "dtype"),
     "fp16 moments": (dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16), {},
                      f"must be {MOMENT_DTYPE_NAMES}, got Half", "exp_avgs[0] has dtype torch.float16"),
@@ -110,7 +125,7 @@ def test_bad_compact_dtypes_are_refused_before_anything_is_written(checked_kerne
     (dict(master_weights="split4"), ValueError, "master_weights"),
     (dict(master_weights="fp16"), ValueError, "master_weights"),
     (dict(state_dtype=torch.float16), ValueError, "state_dtype"),
-    (dict(state_dtype="int4"), ValueError, "state_dtype"),
+    (dict(state_dtype="int2"), ValueError, "state_dtype"),
     (dict(stochastic_rounding=1), TypeError, "stochastic_rounding"),
 ])
 def test_bad_options_are_refused(kwargs, error, match):

@@ -81,14 +81,19 @@ def main():
     torch.save(out, OUT)
 
 
-COMPACT_MODES = (("split16", torch.bfloat16), ("split8", "int8"), (False, torch.bfloat16), ("fp32", "int8"))
+COMPACT_MODES = (("split16", torch.bfloat16), ("split8", "int8"), (False, torch.bfloat16), ("fp32", "int8"),
+                 ("split16", "int4"), (False, "int4"))
+# blockwise moments take 2-D params (1-D ones keep fp32 moments): rows that end in a short block, and
+# whole blocks; int4 rows are even
+SHAPES = {"int8": ((5, 1031), (3, 2048)), "int4": ((5, 1030), (3, 2048))}
 
 
 def compact_steps(out, gen):
     """Three steps of the optimizer in each compact mode (with AMSGrad once), clipped: params and state."""
     for master_weights, state_dtype in COMPACT_MODES:
         for amsgrad in (False, True):
-            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16()) for n in (4099, 8192 + 7)]
+            shapes = SHAPES.get(state_dtype, (4099, 8192 + 7))
+            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16()) for n in shapes]
             opt = ampfused.FusedAmpAdamW(params, lr=1e-2, amsgrad=amsgrad, max_grad_norm=1.0, backend="cpu",
                                          master_weights=master_weights, state_dtype=state_dtype)
             for _ in range(3):

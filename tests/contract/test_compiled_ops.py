@@ -107,15 +107,16 @@ def test_ops_validate_inputs():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_moment_scales_are_checked_before_anything_is_written(device):
-    """moment_scales: three entries per tensor, fp32 scales of ceil(n / 256) elements for int8 codes,
-    empty for the others; a kernel without int8 moments refuses the codes themselves."""
+    """moment_scales: three entries per tensor, fp32 scales of ceil(n / 256) elements for int8 / int4
+    codes, empty for the others; a kernel without int8 (int4) moments refuses the codes themselves. int4
+    codes (a uint8 exp_avg) are n / 2 bytes of a contiguous param whose last dimension is even."""
     backend = backend_for(device)
     args = list(update_args(device, torch.float32, True))
     none = torch.empty(0, device=device)
     before = [t.clone() for t in args[0]]
     with pytest.raises(RuntimeError, match="three entries per tensor"):
         torch.ops.ampfused.adamw_update(*args, None, None, None, [none] * 5)
-    with pytest.raises(RuntimeError, match="not int8 codes"):
+    with pytest.raises(RuntimeError, match="not int8 or int4 codes"):
         torch.ops.ampfused.adamw_update(*args, None, None, None, [torch.ones(1, device=device)] + [none] * 5)
     codes = list(args)
     n = args[0][0].numel()
@@ -135,6 +136,25 @@ def test_moment_scales_are_checked_before_anything_is_written(device):
         mixed[3] = [args[3][0], args[3][1]]  # fp32 exp_avg_sq with int8 exp_avg
         with pytest.raises(RuntimeError, match="share one dtype"):
             torch.ops.ampfused.adamw_update(*mixed, None, None, None, [one, one, one] + [none] * 3)
+    int4 = list(args)  # tensor 1 has 4 elements: 2 bytes of codes; tensor 0's 33 cannot pack in pairs
+    for slot in (2, 3, 4):
+        int4[slot] = [args[slot][0], torch.zeros(2, dtype=torch.uint8, device=device)]
+    int4_scales = [none] * 3 + [one, one, one]
+    if "int4" not in backend.COMPACT_MODES:
+        with pytest.raises(RuntimeError, match="int4 moments are not served"):
+            torch.ops.ampfused.adamw_update(*int4, None, None, None, int4_scales)
+    else:
+        with pytest.raises(RuntimeError, match="holds int4 codes but moment_scales is None"):
+            torch.ops.ampfused.adamw_update(*int4)
+        wide = list(int4)
+        wide[3] = [args[3][0], torch.zeros(4, dtype=torch.uint8, device=device)]
+        with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[1\] holds int4 codes and must be a contiguous uint8 tensor of 2 bytes"):
+            torch.ops.ampfused.adamw_update(*wide, None, None, None, int4_scales)
+        odd = list(int4)
+        for slot in (2, 3, 4):
+            odd[slot] = [torch.zeros(16, dtype=torch.uint8, device=device), args[slot][1]]
+        with pytest.raises(RuntimeError, match="whose last dimension is even"):
+            torch.ops.ampfused.adamw_update(*odd, None, None, None, [one, one, one] + [none] * 3)
     for t, b in zip(args[0], before):
         assert torch.equal(t, b)
 
