@@ -343,12 +343,13 @@ class Kernel:
         return self.name
 
     def size(self, size, state_dtype):
-        """A mode's size: "n" (int8 moments need SMALL_TENSOR_NUMEL elements), or an int."""
+        """A mode's size: "n" (int8 / int4 moments need SMALL_TENSOR_NUMEL elements; int4 an even count), or an int."""
         from ampfused import _compact as C
 
         if size != "n":
             return size
-        return max(self.n, C.SMALL_TENSOR_NUMEL + 300) if state_dtype in BLOCKWISE else self.n
+        n = max(self.n, C.SMALL_TENSOR_NUMEL + 300) if state_dtype in BLOCKWISE else self.n
+        return n + n % 2 if state_dtype == "int4" else n
 
     def entry(self, n, param_dtype, master_weights, state_dtype, amsgrad=False, seed=0, offset=0):
         return compact_entry(n, param_dtype, master_weights, state_dtype, self.device, amsgrad, seed, offset)

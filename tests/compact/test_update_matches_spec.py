@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 
 
 def test_compact_modes_declared(kernel):
-    assert kernel.backend.COMPACT_MODES == frozenset({"split16", "split8", "bf16", "int8", "sr"})
+    assert kernel.backend.COMPACT_MODES == frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"})
 
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
