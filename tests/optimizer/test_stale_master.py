@@ -17,8 +17,8 @@ import ampfused
 from helpers import bits, load_in_order, mlp, through_disk, tol
 
 # (master_weights, state_dtype): the default and every compact mode of a bf16 model
-MODES = [(None, None), ("split16", None), ("split8", None), (None, torch.bfloat16), (None, "int8")]
-MODE_IDS = ["default", "split16", "split8", "bf16-moments", "int8-moments"]
+MODES = [(None, None), ("split16", None), ("split8", None), (None, torch.bfloat16), (None, "int8"), (None, "int4")]
+MODE_IDS = ["default", "split16", "split8", "bf16-moments", "int8-moments", "int4-moments"]
 EXACT_MODES = MODES[:2]  # fp32 moments and a master that is the fp32 one (split16: bitwise, DESIGN §9)
 ORDERS = ("model first", "optimizer first")
 STOCK_STEPS = 20
@@ -26,7 +26,7 @@ HYPER = dict(lr=1e-2, weight_decay=0.1)
 
 
 def small_bf16_model(device, seed=0):
-    # the 64x80 weight (5,120 elements) is above the size where int8 moments start; the rest stays below it
+    # the 80x64 weight (5,120 elements, rows of 64) is above the size where int8 / int4 moments start; the rest stays below it
     return mlp(64, 80, 3, dtype=torch.bfloat16, device=device, seed=seed)
 
 
