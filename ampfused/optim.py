@@ -54,8 +54,12 @@ class FusedAmpAdamW(Optimizer):
             ``"fp32"``: fp32 ``master_param`` (4 B/param); ``"split16"`` (bf16): the param + its low
             16 bits (2 B, exact but a 1-ulp nudge at ties); ``"split8"``: the param + an 8-bit
             correction (1 B, within ``ulp(p)/256``); ``False``: none.
-        state_dtype (optional): moments in fp32 (``None``), ``torch.bfloat16`` (4 B/param) or
-            ``"int8"`` (blockwise companded, ~2 B/param). Encodings and keys: ``ampfused._compact``.
+        state_dtype (optional): moments in fp32 (``None``), ``torch.bfloat16`` (4 B/param),
+            ``"int8"`` (blockwise companded, ~2 B/param) or ``"int4"`` (4-bit codes of 16-level grids,
+            two per byte, ~1 B/param; ``exp_avg_sq`` never decodes to 0 in a block whose maximum is
+            not 0). Both blockwise modes keep an fp32 scale per 256 elements of a row and apply to
+            tensors of two or more dimensions and at least 4096 elements (int4: an even last
+            dimension); others keep fp32 moments. Encodings and keys: ``ampfused._compact``.
         stochastic_rounding (bool): round bf16 writes without an exact master stochastically, seeded
             from torch's default CPU generator at each step (``torch.manual_seed`` reproduces a run).
         skip_nonfinite (bool): ``True``: a step with an inf/NaN gradient is skipped, scaler or not.
