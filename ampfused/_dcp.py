@@ -3,7 +3,7 @@
 [note: DCP asks for the loader's keys] DCP's load planner reads exactly the keys of the state dict
 being loaded and raises ``Missing key in checkpoint state_dict`` before any optimizer sees anything.
 A torch.optim.AdamW checkpoint of a bf16 model has ``exp_avg``/``exp_avg_sq``/``step`` per param; a
-FusedAmpAdamW asks for its own keys (``master_param``, ``master_low16``, int8 codes and scales ...),
+FusedAmpAdamW asks for its own keys (``master_param``, ``master_low16``, int8 / int4 codes and scales ...),
 and a stock AdamW loading a compact FusedAmpAdamW checkpoint asks for an ``exp_avg`` it does not
 have. (``DefaultLoadPlanner(allow_partial_load=True)`` is no answer: the keys it skips keep the
 loading optimizer's fresh values, zero int8 moments for a stock checkpoint's.)
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _compact, _dtensor
+from ._contract import moment_encoding
 from ._state import MOMENT_KEYS, is_tensor_key
 from ._state_dict import stale_master_message
 
@@ -90,7 +91,7 @@ def _request(entry: dict, saved: dict, fqn, stale: list) -> dict | None:
             request[key] = torch.empty_like(entry[key], dtype=dtype)
         elif size == tuple(like.shape):
             request[key] = torch.empty_like(like, dtype=dtype)
-        else:  # another shape (int8 scales when the loader keeps none): sharded on dim 0 like the param
+        else:  # another shape (scales, int4 codes, when the loader keeps none): sharded on dim 0 like the param
             request[key] = _empty_sharded_like(like, size, dtype)
     return request
 
@@ -100,8 +101,15 @@ def _dtype(md) -> torch.dtype:
 
 
 def _param_shaped(entry: dict) -> Tensor | None:
-    """A state tensor of ``entry`` with the param's shape (and sharding): a moment, its codes or a master."""
-    return next((v for k, v in entry.items() if isinstance(v, Tensor) and k != "step" and not k.endswith("_scales")), None)
+    """A tensor with the param's shape (and sharding) for ``entry``: a moment or a master of it, else its
+    codes; int4 codes hold two elements a byte along the last dimension ([note: int4 packing]), so for
+    them an empty tensor of the doubled shape, sharded by rows as they are."""
+    tensors = {k: v for k, v in entry.items() if isinstance(v, Tensor) and k != "step" and not k.endswith("_scales")}
+    like = next((v for k, v in tensors.items() if not k.endswith("_codes")), None)
+    codes = tensors.get("exp_avg_codes")
+    if like is not None or codes is None or moment_encoding(codes) != "int4":
+        return like if like is not None else next(iter(tensors.values()), None)
+    return _empty_sharded_like(codes, (*codes.shape[:-1], 2 * codes.shape[-1]), codes.dtype)
 
 
 def _empty_sharded_like(like: Tensor, size: tuple, dtype: torch.dtype) -> Tensor:

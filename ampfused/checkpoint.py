@@ -209,7 +209,9 @@ def _decoded(entry: dict, param) -> dict:
         return _compact.decode_state(entry, param)
     local = {k: _dtensor.local(v) for k, v in entry.items()}
     decoded = _compact.decode_state(local, None if param is None else _dtensor.local(param))
-    return {k: v if k == "step" else _dtensor.like_param(v, like) for k, v in decoded.items()}
+    shape = _param_shape(entry)  # (int4 codes are not of the param's shape: placed as they are, in that shape)
+    shape = None if tuple(like.shape) == shape else shape
+    return {k: v if k == "step" else _dtensor.like_param(v, like, shape) for k, v in decoded.items()}
 
 
 def dcp_load(state_dict: dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,

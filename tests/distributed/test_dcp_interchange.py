@@ -30,7 +30,7 @@ MASTERS = (None, "split16", "split8", False)  # fp32 (the default), split16, spl
 
 
 def interchange_bf16_model():
-    # the same init on every rank; 81 x 66 = 5,346 elements: int8 moments apply to it (4,096 and up)
+    # the same init on every rank; 81 x 66 = 5,346 elements, rows of 66: int8 / int4 moments apply to it (4,096 and up)
     return mlp(6, 66, 81, 3, dtype=torch.bfloat16, device=rank_device())
 
 
@@ -132,8 +132,8 @@ def every_master_mode_into_stock(rank, root, state_dtype):
         saved_model = sharded(interchange_bf16_model())
         saved = fused(saved_model, master_weights, state_dtype)
         train_sharded(saved_model, saved, rank, 2)
-        if state_dtype == "int8":
-            assert "exp_avg_codes" in saved.state[saved_model[2].weight], "the test needs int8 moments in the checkpoint"
+        if state_dtype in ("int8", "int4"):
+            assert "exp_avg_codes" in saved.state[saved_model[2].weight], f"the test needs {state_dtype} moments in the checkpoint"
         save_dcp(path, saved_model, saved)
         save_torch_form(f"{path}-torch", saved_model, saved)
         decoded = [_compact.decode_state({k: local(v) for k, v in saved.state[p].items()}, local(p))
@@ -180,8 +180,8 @@ def _interchange_worker(rank, world, root, state_dtype):
     every_master_mode_into_stock(rank, root, state_dtype)
 
 
-@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, pytest.param("int8", id="int8")],
-                         ids=["fp32-moments", "bf16-moments", "int8-moments"])
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, pytest.param("int8", id="int8"), pytest.param("int4", id="int4")],
+                         ids=["fp32-moments", "bf16-moments", "int8-moments", "int4-moments"])
 def test_stock_and_fused_dcp_checkpoints_load_into_each_other_in_every_mode(tmp_path, state_dtype):
     run(_interchange_worker, 2, str(tmp_path), state_dtype, timeout=240)
 
