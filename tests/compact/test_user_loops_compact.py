@@ -21,8 +21,8 @@ from helpers import DEVICE, backends_among, equal_bits, same_bits, through_disk
 
 MODES = [("fp32", None, False), ("split16", None, False), ("split8", None, False), (False, None, False),
          ("fp32", torch.bfloat16, False), ("split16", torch.bfloat16, True), ("fp32", "int8", False),
-         ("split8", "int8", False), (False, torch.bfloat16, True)]
-FEW = [MODES[i] for i in (1, 5, 7, 8)]  # split16; bf16 moments + SR; split8 + int8; no master + SR
+         ("split8", "int8", False), (False, torch.bfloat16, True), ("split16", "int4", False), (False, "int4", True)]
+FEW = [MODES[i] for i in (1, 5, 7, 8, 9)]  # split16; bf16 moments + SR; split8 + int8; no master + SR; split16 + int4
 
 
 def mode_id(mode):
@@ -41,12 +41,12 @@ CHEAP = ("reference", "cpu")
 
 
 class OddSizedNet(torch.nn.Module):
-    """Odd sizes (not multiples of 256), a LayerNorm and biases under int8's 4096 threshold, one
+    """Odd sizes (not multiples of 256), a LayerNorm and biases under int8's / int4's 4096 threshold, one
     weight above it."""
 
     def __init__(self):
         super().__init__()
-        self.inp = torch.nn.Linear(24, 180)  # 4320 weights: int8 moments
+        self.inp = torch.nn.Linear(24, 180)  # 4320 weights, rows of 24: int8 / int4 moments
         self.norm = torch.nn.LayerNorm(180)
         self.mid = torch.nn.Linear(180, 33)
         self.out = torch.nn.Linear(33, 5)
@@ -124,7 +124,17 @@ def assert_encoded_torch_step(opt, expected, backend, stochastic):
             if key not in want:
                 continue
             w, g = want[key], got[key]
-            if key + "_codes" in state:  # int8: the torch moment quantized, within one code elsewhere
+            kind = "signed" if key == "exp_avg" else "sqrt"
+            if key + "_codes" in state and C.moment_encoding(state["exp_avg_codes"]) == "int4":
+                # int4: the torch moment encoded by the spec; elsewhere each code within one level of it
+                codes, scales = C.quantize4(w, kind)
+                if backend == "reference":
+                    assert torch.equal(g, C.dequantize4(codes, scales, kind)), key
+                else:
+                    diff = (C.unpack4(state[key + "_codes"].cpu()) - C.unpack4(codes)).abs()
+                    assert diff.max().item() <= 1, f"{key}: a code more than one level off"
+                    torch.testing.assert_close(state[key + "_scales"].cpu(), scales, rtol=2e-5, atol=0, msg=key)
+            elif key + "_codes" in state:  # int8: the torch moment quantized, within one code elsewhere
                 enc = C.dequantize(*C.quantize(w, "signed" if key == "exp_avg" else "sqrt"), "signed" if key == "exp_avg" else "sqrt")
                 rtol = grid_tol(backend, 2**-3 if key == "exp_avg" else 2**-3)
                 torch.testing.assert_close(g, enc, rtol=rtol, atol=rtol * 2**-14 * w.abs().max().item(), msg=key)
@@ -250,7 +260,7 @@ def test_tutorial_trainer_exact_modes_follow_an_independent_torch_loop(backend):
 
 
 def kept_bytes(model, mode):
-    """DESIGN §9's bytes of the optimizer's tensors: state per param (int8 only from 4096 elements),
+    """DESIGN §9's bytes of the optimizer's tensors: state per param (int8 / int4 only from 4096 elements),
     the fp32 gradient storage of the masters' params, the step counters."""
     master_weights, state_dtype, _ = mode
     total = 0
@@ -258,6 +268,8 @@ def kept_bytes(model, mode):
         n = p.numel()
         if state_dtype == "int8" and n >= C.SMALL_TENSOR_NUMEL:
             total += 2 * n + 2 * 4 * -(-n // C.BLOCK)
+        elif state_dtype == "int4" and n >= C.SMALL_TENSOR_NUMEL and p.shape[-1] % 2 == 0:
+            total += n + 2 * 4 * p.shape[0] * -(-(n // p.shape[0]) // C.BLOCK)  # two half-byte moments, scales per row
         else:
             total += n * (4 if state_dtype is torch.bfloat16 else 8)
         total += n * {"fp32": 4, "split16": 2, "split8": 1, False: 0}[master_weights]
@@ -546,7 +558,9 @@ def test_state_inspection_deepcopy_and_reset(mode):
         state = opt.state[p]
         assert state["step"].dtype == torch.float32 and state["step"].dim() == 0 and state["step"].item() == 2.0
         key = "exp_avg" if "exp_avg" in state else "exp_avg_codes"
-        assert state[key].shape == p.shape
+        # (int4 codes are two a byte along the last dimension: [note: int4 packing])
+        packed = key == "exp_avg_codes" and C.moment_encoding(state[key]) == "int4"
+        assert state[key].shape == (C.packed_shape(p.shape) if packed else p.shape)
     copied = copy.deepcopy(opt)
     copied_params = [p for g in copied.param_groups for p in g["params"]]
     frozen = {i: {k: v.clone() for k, v in copied.state[q].items()} for i, q in enumerate(copied_params)}
