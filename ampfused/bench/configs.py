@@ -147,6 +147,9 @@ SWEEPS = ("configs", "size", "tensors", "host", "memory")
 # DESIGN §9's compact state, the memory sweep's rows: name -> FusedAmpAdamW keyword arguments, on bf16
 # params (split16 has no fp16 form). The int4 rows with a master read autograd's bf16 gradients
 # (fp32_grad_accumulation=False, as no master does by default): the smallest layouts, 5, 6 and 7 B/param.
+# No row rounds stochastically (it changes bits, not bytes): the gate holds a row to the reference
+# backend within fp32 tolerances, and a param one fp32 ulp apart rounds to another bf16 wherever the
+# random bits carry on one side only.
 MEMORY_MODES = {
     "split16": dict(master_weights="split16"), "split8": dict(master_weights="split8"),
     "bf16-moments": dict(state_dtype=torch.bfloat16), "int8-moments": dict(state_dtype="int8"),
@@ -155,7 +158,7 @@ MEMORY_MODES = {
     "int4-moments": dict(state_dtype="int4"),
     "split16+int4+bf16-grads": dict(master_weights="split16", state_dtype="int4", fp32_grad_accumulation=False),
     "split8+int4+bf16-grads": dict(master_weights="split8", state_dtype="int4", fp32_grad_accumulation=False),
-    "no-master+sr+int4": dict(master_weights=False, state_dtype="int4", stochastic_rounding=True),
+    "no-master+int4": dict(master_weights=False, state_dtype="int4"),
 }
 # The host sweep: tiny tensors, so a step's time is the host's Python and dispatch work; the tensor
 # counts of GPT-2 124M, Llama-2-7B and a model with 2000 params
