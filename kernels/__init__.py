@@ -10,8 +10,8 @@ from .adamw import adamw_update_
 from .scaler import scaler_update_
 from .stats import grad_stats_
 
-# Compact state the update pass serves natively (split masters, bf16 / int8 moments, stochastic
+# Compact state the update pass serves natively (split masters, bf16 / int8 / int4 moments, stochastic
 # rounding of bf16 writes); ampfused.functional sends other encodings to the reference passes.
-COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "sr"})
+COMPACT_MODES = frozenset({"split16", "split8", "bf16", "int8", "int4", "sr"})
 
 __all__ = ["NAME", "COMPACT_MODES", "host_only", "supports", "accumulate_", "grad_stats_", "adamw_update_", "scaler_update_"]

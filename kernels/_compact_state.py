@@ -14,6 +14,14 @@ Elements past the end of the tensor count as 0, as the specification's padding. 
 stays 1-D with the contiguity hints of every other block: a 2-D tile carries none, and the
 compiler then moves every tensor of the launch with scalar accesses.
 
+[note: int4 blocks] int4 moments have int8's blocks and scales, and two codes a byte ([note: int4
+packing] in ``ampfused/_contract.py``). Blocks, chunks and rows start on even elements, so a block's
+codes are whole bytes: a full block's are the BLOCK / 2 bytes from element ``first`` / 2, which each
+thread moves in one access (its 4 elements' 2 bytes); a masked block (a tail, a block of a ragged
+row, whose elements do not follow ``first``) addresses them from its even lanes. The bytes are split
+into nibbles and joined in element order (element 2i the low nibble of byte i), stored the other way
+round; ``compact.py`` decodes and encodes the codes.
+
 Stochastic rounding takes 16 bits per write from the one counter-based hash of (seed,
 tensor index, element index in the whole tensor), [note: rounding bits] in ``ampfused/_contract.py``:
 a per-program key (``rounding_key``), then two words per element (``random_words``). Integer-only, so the interpreter
@@ -25,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import compact as K
-from ._contract_generated import (DTYPE_F16, SCALE_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32,
+from ._contract_generated import (DTYPE_F16, SCALE_BLOCK, MASTER_SPLIT16, MOMENT_BF16, MOMENT_F32, MOMENT_INT8,
                                   SR_KEY_SALT, SR_MIX_MUL1, SR_MIX_MUL2, SR_WORD0_SALT, SR_WORD1_SALT)
 from ._memory import typed_ptr
 
@@ -81,18 +89,24 @@ def _load_bf16(addr, offs, mask, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
-    if SIGNED:
-        code = tl.load(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
-    else:
-        code = tl.load(typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
-    # the scales of the block's scale blocks as scalars, spread by a select: a per-element gather
-    # would hold a 64-bit address per element ([note: int8 blocks])
+def _block_scales(scale_addr, offs, first, end):
+    """Each element's scale: the block's scale blocks' scales as scalars, spread by a select (a
+    per-element gather would hold a 64-bit address per element: [note: int8 blocks])."""
     scale_ptr = scale_addr.to(tl.pointer_type(tl.float32)) + first // SCALE_BLOCK
     scale = tl.load(scale_ptr)
     for j in tl.static_range(1, offs.shape[0] // SCALE_BLOCK):
         scale = tl.where(offs >= first + j * SCALE_BLOCK,
                          tl.load(scale_ptr + j, mask=first + j * SCALE_BLOCK < end, other=0.0), scale)
+    return scale
+
+
+@triton.jit
+def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
+    if SIGNED:
+        code = tl.load(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
+    else:
+        code = tl.load(typed_ptr(addr, tl.uint8, 4, ALIGNED) + offs, mask=mask).to(tl.int32)
+    scale = _block_scales(scale_addr, offs, first, end)
     if SIGNED:
         x = K.decode_exp_avg(code, scale)
     else:
@@ -101,22 +115,72 @@ def _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, 
 
 
 @triton.jit
+def _even_lanes(x):
+    """Lanes 0, 2, 4, .. of the block ``x``: those that start the pairs of int4 codes."""
+    even, _ = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+    return even
+
+
+@triton.jit
+def _packed_ptrs(addr, offs, mask, first, ALIGNED: tl.constexpr):
+    """Pointers to the bytes that hold the block's int4 codes ([note: int4 blocks]); a masked block
+    masks them with ``_even_lanes(mask)``."""
+    if mask is None:  # a full block: elements first .. first + BLOCK, bytes from first / 2
+        PAIRS: tl.constexpr = offs.shape[0] // 2
+        byte = tl.max_contiguous(tl.multiple_of(first // 2 + tl.arange(0, PAIRS), PAIRS), PAIRS)
+    else:  # a tail or a ragged row's block: its pairs' even elements (rows are of even length)
+        byte = _even_lanes(offs) // 2
+    return typed_ptr(addr, tl.uint8, 2, ALIGNED) + byte
+
+
+@triton.jit
+def _load_int4(addr, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
+    ptrs = _packed_ptrs(addr, offs, mask, first, ALIGNED)
+    if mask is None:
+        packed = tl.load(ptrs).to(tl.int32)
+    else:
+        packed = tl.load(ptrs, mask=_even_lanes(mask)).to(tl.int32)
+    code = tl.reshape(tl.join(packed & 15, packed >> 4), offs.shape)  # element 2i: low nibble of byte i
+    scale = _block_scales(scale_addr, offs, first, end)
+    if SIGNED:
+        x = K.decode_exp_avg4(code, scale)
+    else:
+        x = K.decode_exp_avg_sq4(code, scale)
+    return x
+
+
+@triton.jit
+def _load_blockwise(addr, kind, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, INT8: tl.constexpr,
+                    INT4: tl.constexpr, SIGNED: tl.constexpr):
+    if INT8 and INT4:
+        if kind == MOMENT_INT8:
+            x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+        else:
+            x = _load_int4(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+    elif INT8:
+        x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+    else:
+        x = _load_int4(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+    return x
+
+
+@triton.jit
 def load_moment(addr, kind, scale_addr, offs, mask, first, end, ALIGNED: tl.constexpr, BF16: tl.constexpr,
-                INT8: tl.constexpr, SIGNED: tl.constexpr):
-    """fp32 values of a moment stored as fp32, bf16 (``BF16``) or int8 codes + scales (``INT8``) of
-    the block from element ``first`` (elements from ``end`` on are masked)."""
+                INT8: tl.constexpr, INT4: tl.constexpr, SIGNED: tl.constexpr):
+    """fp32 values of a moment stored as fp32, bf16 (``BF16``), int8 (``INT8``) or int4 (``INT4``)
+    codes + scales of the block from element ``first`` (elements from ``end`` on are masked)."""
     if kind == MOMENT_F32:
         x = tl.load(typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
-        if BF16 and INT8:
+        if BF16 and (INT8 or INT4):
             if kind == MOMENT_BF16:
                 x = _load_bf16(addr, offs, mask, ALIGNED)
             else:
-                x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+                x = _load_blockwise(addr, kind, scale_addr, offs, mask, first, end, ALIGNED, INT8, INT4, SIGNED)
         elif BF16:
             x = _load_bf16(addr, offs, mask, ALIGNED)
         else:
-            x = _load_int8(addr, scale_addr, offs, mask, first, end, ALIGNED, SIGNED)
+            x = _load_blockwise(addr, kind, scale_addr, offs, mask, first, end, ALIGNED, INT8, INT4, SIGNED)
     return x
 
 
@@ -131,6 +195,23 @@ def store_bf16(addr, offs, mask, x, rand, ALIGNED: tl.constexpr, SR: tl.constexp
 
 
 @triton.jit
+def _new_scales(scale_addr, first, end, value):
+    """Store the block's new scales, the maxima of ``|value|`` over its scale blocks, and return each
+    element's. The block's [GROUPS, SCALE_BLOCK] view only for the maxima ([note: int8 blocks])."""
+    # With the sign bit cleared, the int32 bit patterns are the magnitudes', which order as the
+    # floats do, NaN above inf (clearing it here rather than with abs, whose sign on a NaN PTX leaves
+    # unspecified): their integer maximum is amax's NaN-propagating one, and a built-in max, which
+    # the interpreter runs as one numpy reduce instead of a Python call per element
+    GROUPS: tl.constexpr = value.shape[0] // SCALE_BLOCK
+    bits = tl.reshape(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, SCALE_BLOCK))
+    scale = tl.max(bits, 1).to(tl.float32, bitcast=True)
+    blocks = tl.arange(0, GROUPS)
+    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // SCALE_BLOCK + blocks, scale,
+             mask=first + blocks * SCALE_BLOCK < end)
+    return tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, SCALE_BLOCK)), (GROUPS * SCALE_BLOCK,))
+
+
+@triton.jit
 def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
     if SIGNED:
         value = x
@@ -138,18 +219,7 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
         value = tl.sqrt_rn(x)
     if mask is not None:
         value = tl.where(mask, value, 0.0)
-    # the block's [GROUPS, SCALE_BLOCK] view only for the maxima ([note: int8 blocks]). With the sign
-    # bit cleared, the int32 bit patterns are the magnitudes', which order as the floats do, NaN above
-    # inf (clearing it here rather than with abs, whose sign on a NaN PTX leaves unspecified): their
-    # integer maximum is amax's NaN-propagating one, and a built-in max, which the interpreter runs as
-    # one numpy reduce instead of a Python call per element
-    GROUPS: tl.constexpr = x.shape[0] // SCALE_BLOCK
-    bits = tl.reshape(value.to(tl.int32, bitcast=True) & 0x7FFFFFFF, (GROUPS, SCALE_BLOCK))
-    scale = tl.max(bits, 1).to(tl.float32, bitcast=True)
-    blocks = tl.arange(0, GROUPS)
-    tl.store(scale_addr.to(tl.pointer_type(tl.float32)) + first // SCALE_BLOCK + blocks, scale,
-             mask=first + blocks * SCALE_BLOCK < end)
-    scale = tl.reshape(tl.broadcast_to(scale[:, None], (GROUPS, SCALE_BLOCK)), (GROUPS * SCALE_BLOCK,))
+    scale = _new_scales(scale_addr, first, end, value)
     if SIGNED:
         tl.store(typed_ptr(addr, tl.int8, 4, ALIGNED) + offs, K.encode_exp_avg(x, scale).to(tl.int8), mask=mask)
     else:
@@ -157,22 +227,57 @@ def _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constex
 
 
 @triton.jit
+def _store_int4(addr, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constexpr, SIGNED: tl.constexpr):
+    if SIGNED:
+        value = x
+    else:
+        value = tl.sqrt_rn(x)
+    if mask is not None:
+        value = tl.where(mask, value, 0.0)
+    scale = _new_scales(scale_addr, first, end, value)
+    if SIGNED:
+        code = K.encode_exp_avg4(value, scale)
+    else:
+        code = K.encode_exp_avg_sq4(value, scale)
+    even, odd = tl.split(tl.reshape(code, (offs.shape[0] // 2, 2)))
+    packed = (even | (odd << 4)).to(tl.uint8)
+    if mask is None:
+        tl.store(_packed_ptrs(addr, offs, mask, first, ALIGNED), packed)
+    else:
+        tl.store(_packed_ptrs(addr, offs, mask, first, ALIGNED), packed, mask=_even_lanes(mask))
+
+
+@triton.jit
+def _store_blockwise(addr, kind, scale_addr, offs, mask, first, end, x, ALIGNED: tl.constexpr, INT8: tl.constexpr,
+                     INT4: tl.constexpr, SIGNED: tl.constexpr):
+    if INT8 and INT4:
+        if kind == MOMENT_INT8:
+            _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+        else:
+            _store_int4(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+    elif INT8:
+        _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+    else:
+        _store_int4(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+
+
+@triton.jit
 def store_moment(addr, kind, scale_addr, offs, mask, first, end, x, rand, ALIGNED: tl.constexpr,
-                 BF16: tl.constexpr, INT8: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr):
+                 BF16: tl.constexpr, INT8: tl.constexpr, INT4: tl.constexpr, SIGNED: tl.constexpr, SR: tl.constexpr):
     """Store fp32 ``x`` in the moment's encoding; bf16 rounds stochastically with the low 16 bits of
-    ``rand`` when SR; int8 takes new block maxima as scales (the block's, from element ``first``)."""
+    ``rand`` when SR; int8 / int4 take new block maxima as scales (the block's, from element ``first``)."""
     if kind == MOMENT_F32:
         tl.store(typed_ptr(addr, tl.float32, 16, ALIGNED) + offs, x, mask=mask)
     else:
-        if BF16 and INT8:
+        if BF16 and (INT8 or INT4):
             if kind == MOMENT_BF16:
                 store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
             else:
-                _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+                _store_blockwise(addr, kind, scale_addr, offs, mask, first, end, x, ALIGNED, INT8, INT4, SIGNED)
         elif BF16:
             store_bf16(addr, offs, mask, x, rand, ALIGNED, SR)
         else:
-            _store_int8(addr, scale_addr, offs, mask, first, end, x, ALIGNED, SIGNED)
+            _store_blockwise(addr, kind, scale_addr, offs, mask, first, end, x, ALIGNED, INT8, INT4, SIGNED)
 
 
 @triton.jit

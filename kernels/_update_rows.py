@@ -15,8 +15,9 @@ import torch
 
 from . import _runtime, _tables
 from ._contract_generated import (
-    DTYPE_CODE, EXP_AVG_KIND_OF_DTYPE, EXP_AVG_SQ_DTYPE_OF_KIND, FLAG_AMSGRAD, SCALE_BLOCK, MASTER_F32,
-    MASTER_KIND_OF_DTYPE, MASTER_NEEDS, MASTER_PARAM_DTYPES, MOMENT_DTYPE_NAMES, MOMENT_INT8, MOMENT_KIND_OF_DTYPES,
+    DTYPE_CODE, EXP_AVG_KIND_OF_DTYPE, EXP_AVG_SQ_DTYPE_OF_KIND, FLAG_AMSGRAD, SCALE_BLOCK, MASTER_F32, MOMENT_BF16,
+    MASTER_KIND_OF_DTYPE, MASTER_NEEDS, MASTER_PARAM_DTYPES, MOMENT_DTYPE_NAMES, MOMENT_INT4, MOMENT_INT8,
+    MOMENT_KIND_OF_DTYPES,
     U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ, U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX,
     U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ, U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE,
     U_SIZE, U_STEP, MASTER_SPLIT16, MASTER_SPLIT8, U_ELEMENT_BASE, U_ROW_NUMEL)
@@ -49,10 +50,10 @@ def tables_of(lists, grads, group_of, group_keys, device, scratch):
     rows = _tables.row_table("update", (numels, key), device, lambda: _build_rows(
         params, laid_out, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters, moment_scales, rounding_index,
         element_base, group_of, group_keys, device))
-    state_dtypes = {t.dtype for t in exp_avgs}
+    state_kinds = {EXP_AVG_KIND_OF_DTYPE[t.dtype] for t in exp_avgs}
     master_dtypes = {t.dtype for t in masters if t is not None}
-    variant = (MASTER_SPLIT16_DTYPE in master_dtypes, MASTER_SPLIT8_DTYPE in master_dtypes, torch.bfloat16 in state_dtypes,
-               torch.int8 in state_dtypes,
+    variant = (MASTER_SPLIT16_DTYPE in master_dtypes, MASTER_SPLIT8_DTYPE in master_dtypes, int(MOMENT_BF16) in state_kinds,
+               int(MOMENT_INT8) in state_kinds, int(MOMENT_INT4) in state_kinds,
                any(p.dtype == torch.bfloat16 and master is None for p, master in zip(params, masters)))
     if scratch is not None and all(map(operator.is_, laid_out, grads)):  # (a copy would move every step)
         source = rows.source
@@ -72,8 +73,9 @@ _STATE_KINDS = MOMENT_KIND_OF_DTYPES
 _MASTER_KINDS = MASTER_KIND_OF_DTYPE
 _SPLIT_PARAMS = MASTER_PARAM_DTYPES
 _SQUARE_DTYPES = tuple(set(EXP_AVG_SQ_DTYPE_OF_KIND.values()))  # the dtypes exp_avg_sq / max_exp_avg_sq buffers take
-_FP32 = (torch.float32,)  # the step counts and the int8 block scales
+_FP32 = (torch.float32,)  # the step counts and the int8 / int4 block scales
 _SCALE_BLOCK = int(SCALE_BLOCK)
+_BLOCKWISE = (int(MOMENT_INT8), int(MOMENT_INT4))  # the moment kinds of codes and block scales
 
 
 def row_numel(p) -> int:
@@ -82,11 +84,11 @@ def row_numel(p) -> int:
 
 
 def work_numel(p, exp_avg) -> int:
-    """The elements the chunk layout counts for ``p``: its own, or for int8 moments whose rows are no
-    whole number of blocks those of its rows padded to whole blocks ([note: blocks in rows]: the
-    kernel steps such a tensor one block at a time and maps the padded count back)."""
+    """The elements the chunk layout counts for ``p``: its own, or for int8 / int4 moments whose rows
+    are no whole number of blocks those of its rows padded to whole blocks ([note: blocks in rows]:
+    the kernel steps such a tensor one block at a time and maps the padded count back)."""
     row = row_numel(p)
-    if exp_avg.dtype != torch.int8 or row % _SCALE_BLOCK == 0 or row == p.numel():
+    if EXP_AVG_KIND_OF_DTYPE.get(exp_avg.dtype) not in _BLOCKWISE or row % _SCALE_BLOCK == 0 or row == p.numel():
         return p.numel()
     return p.numel() // row * (-(-row // _SCALE_BLOCK) * _SCALE_BLOCK)
 
@@ -101,10 +103,11 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
     if master is not None and master.dtype in _SPLIT_PARAMS and p.dtype not in _SPLIT_PARAMS[master.dtype]:
         raise TypeError(f"masters[{i}] is {MASTER_NEEDS[master.dtype]}, but params[{i}] is {p.dtype}")
     addrs = [0, 0, 0]
-    if kind == int(MOMENT_INT8):
+    if kind in _BLOCKWISE:
         if scales is None or len(scales) != 3 or (scales[2] is None) != (vmax is None):
-            raise ValueError(f"params[{i}] has int8 moments: moment_scales[{i}] must be (exp_avg_scales, exp_avg_sq_scales, "
-                             "max_exp_avg_sq_scales or None when there is no max_exp_avg_sq)")
+            encoding = "int8" if kind == int(MOMENT_INT8) else "int4"
+            raise ValueError(f"params[{i}] has {encoding} moments: moment_scales[{i}] must be (exp_avg_scales, "
+                             "exp_avg_sq_scales, max_exp_avg_sq_scales or None when there is no max_exp_avg_sq)")
         row = row_numel(p)
         blocks = p.numel() // max(row, 1) * -(-row // _SCALE_BLOCK)  # [note: blocks in rows]
         for j, t in enumerate(scales):
@@ -115,7 +118,7 @@ def _compact_columns(i, p, m, v, vmax, master, scales, device):
                                      f"{blocks} blocks of at most {_SCALE_BLOCK}")
                 addrs[j] = t.data_ptr()
     elif scales is not None:
-        raise ValueError(f"moment_scales[{i}] is given, but the moments of params[{i}] are not int8 codes")
+        raise ValueError(f"moment_scales[{i}] is given, but the moments of params[{i}] are not int8 or int4 codes")
     return _MASTER_KINDS[master.dtype] if master is not None else int(MASTER_F32), kind, addrs
 
 
@@ -126,12 +129,19 @@ def _build_rows(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
     for i, p in enumerate(params):
         g, m, v, vmax, master, step = grads[i], exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i], masters[i], steps[i]
         _tables.check(p, f"params[{i}]", device, low)  # (grads come checked: ampfused._args.check_grad)
+        packed = EXP_AVG_KIND_OF_DTYPE.get(m.dtype) == int(MOMENT_INT4)  # [note: int4 packing]: element k in byte k >> 1
+        if packed and (p.dim() == 0 or p.shape[-1] % 2 or not p.is_contiguous()):
+            raise ValueError(f"params[{i}] has int4 moments, whose codes the kernels address as packed pairs of a "
+                             f"contiguous param with an even last dimension; it is {tuple(p.shape)} with strides "
+                             f"{p.stride()}")
         for what, t, dtypes in ((f"exp_avgs[{i}]", m, EXP_AVG_KIND_OF_DTYPE), (f"exp_avg_sqs[{i}]", v, _SQUARE_DTYPES),
                                 (f"max_exp_avg_sqs[{i}]", vmax, _SQUARE_DTYPES), (f"masters[{i}]", master, _MASTER_KINDS)):
             if t is not None:
                 _tables.check(t, what, device, dtypes)
-                if t.numel() != p.numel():
-                    raise ValueError(f"{what} has {t.numel()} elements for a param of {p.numel()}")
+                numel = p.numel() // 2 if t is not master and packed else p.numel()
+                if t.numel() != numel:
+                    raise ValueError(f"{what} has {t.numel()} elements for a param of {p.numel()}"
+                                     + (" (int4 codes: two per byte, packed_shape)" if packed else ""))
         compact = _compact_columns(i, p, m, v, vmax, master, moment_scales[i], device)
         _tables.check(step, f"steps[{i}]", device, _FP32)
         if step.numel() != 1:

@@ -6,7 +6,7 @@ With ``grad_scale`` (``WRITE_GRAD``) the unscaled gradient ``g * (1 / grad_scale
 into the grad as the block goes (DESIGN §2.7: what torch's fused AdamW leaves in ``p.grad``). Math and order of
 operations: ``ampfused.reference._adamw_one``, i.e. torch.optim.AdamW.
 
-Compact state (DESIGN §9: split16 / split8 masters, bf16 / int8 moments, stochastic rounding) is
+Compact state (DESIGN §9: split16 / split8 masters, bf16 / int8 / int4 moments, stochastic rounding) is
 read and written by variants of the same kernel: the row table says each tensor's encodings, the
 launch's constexprs (``SPLIT16`` .. ``SR``) which encodings it can meet, so a launch without compact
 state compiles to the plain kernel; ``_load_state``/``_store_state`` read and write fp32 state here
@@ -33,7 +33,8 @@ from . import _compact_state as CS
 from ._contract_generated import (
     DTYPE_BF16, DTYPE_F16, FACTOR, FLAG_AMSGRAD, FLAG_MAXIMIZE, G_BETA1, G_BETA2, G_EPS, G_FLAGS, G_LR, G_LR_KIND,
     G_LR_PTR, G_SIZE, G_WEIGHT_DECAY, SCALE_BLOCK, LR_BF16, LR_F16, LR_F32, LR_F64, LR_SLOT, LR_VALUE,
-    LR_KIND_OF_DTYPE, MASTER_F32, MOMENT_INT8, ROUNDING_SEED_BITS, SKIP, U_ELEMENT_BASE, U_ROW_NUMEL, U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ,
+    LR_KIND_OF_DTYPE, MASTER_F32, MOMENT_INT4, MOMENT_INT8, ROUNDING_SEED_BITS, SKIP, U_ELEMENT_BASE, U_ROW_NUMEL,
+    U_ALIGNED, U_EXP_AVG, U_EXP_AVG_SCALES, U_EXP_AVG_SQ,
     U_EXP_AVG_SQ_SCALES, U_GRAD, U_GRAD_DTYPE, U_GROUP, U_INDEX, U_MASTER, U_MASTER_KIND, U_MAX_EXP_AVG_SQ,
     U_MAX_EXP_AVG_SQ_SCALES, U_MOMENT_KIND, U_NUMEL, U_PARAM, U_PARAM_DTYPE, U_SIZE, U_STEP)
 from ._memory import load_f32, store_f32, typed_ptr
@@ -89,7 +90,7 @@ Scalars = namedtuple("Scalars", ["amsgrad", "maximize", "factor", "unscale", "de
 
 @triton.jit
 def _load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.constexpr, SPLIT16: tl.constexpr,
-                SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr):
+                SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, INT4_STATE: tl.constexpr):
     """(w, m, v, v_max) in fp32 of tensor ``t`` (a :data:`Row`), each in the encoding its row names
     among those the launch can meet (fp32 here, compact ones in ``_compact_state``); v_max is v
     without amsgrad. The kernel sends split-master tensors only to SPLIT16/SPLIT8 blocks
@@ -100,14 +101,14 @@ def _load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.con
         w = tl.load(typed_ptr(t.master, tl.float32, 16, ALIGNED) + offs, mask=mask)
     else:
         w = load_f32(t.param, param_dtype, offs, mask, ALIGNED)
-    if BF16_STATE or INT8_STATE:
+    if BF16_STATE or INT8_STATE or INT4_STATE:
         m = CS.load_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
-                           INT8_STATE, True)
+                           INT8_STATE, INT4_STATE, True)
         v = CS.load_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, ALIGNED, BF16_STATE,
-                           INT8_STATE, False)
+                           INT8_STATE, INT4_STATE, False)
         if amsgrad:
             v_max = CS.load_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
-                                   ALIGNED, BF16_STATE, INT8_STATE, False)
+                                   ALIGNED, BF16_STATE, INT8_STATE, INT4_STATE, False)
         else:
             v_max = v
     else:
@@ -123,7 +124,7 @@ def _load_state(t, param_dtype, offs, mask, first, end, amsgrad, ALIGNED: tl.con
 @triton.jit
 def _store_state(t, param_dtype, offs, mask, first, end, rk, amsgrad, w, m, v, v_max, ALIGNED: tl.constexpr,
                  SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
-                 SR: tl.constexpr):
+                 INT4_STATE: tl.constexpr, SR: tl.constexpr):
     """The update's writes: moments in their encoding, the param with its master (split or fp32),
     or alone (stochastically rounded when SR and bf16), for the block from element ``first``;
     ``rk`` is the program's random key (``_compact_state.RoundingKey``; [note: rounding bits] in
@@ -145,17 +146,17 @@ def _store_state(t, param_dtype, offs, mask, first, end, rk, amsgrad, w, m, v, v
             store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)
     else:
         store_f32(t.param, param_dtype, offs, w, mask, ALIGNED)  # round-to-nearest-even for fp16/bf16
-    if BF16_STATE or INT8_STATE:
+    if BF16_STATE or INT8_STATE or INT4_STATE:
         if amsgrad:
             CS.store_moment(t.max_exp_avg_sq, t.moment_kind, t.max_exp_avg_sq_scales, offs, mask, first, end,
-                            v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+                            v_max, word1, ALIGNED, BF16_STATE, INT8_STATE, INT4_STATE, False, SR)
         word0 = 0
         if SR:
             word0, _ = CS.random_words(offs, rk, False)
         CS.store_moment(t.exp_avg, t.moment_kind, t.exp_avg_scales, offs, mask, first, end, m, word0, ALIGNED,
-                        BF16_STATE, INT8_STATE, True, SR)
+                        BF16_STATE, INT8_STATE, INT4_STATE, True, SR)
         CS.store_moment(t.exp_avg_sq, t.moment_kind, t.exp_avg_sq_scales, offs, mask, first, end, v, word0 >> 16,
-                        ALIGNED, BF16_STATE, INT8_STATE, False, SR)
+                        ALIGNED, BF16_STATE, INT8_STATE, INT4_STATE, False, SR)
     else:
         tl.store(typed_ptr(t.exp_avg, tl.float32, 16, ALIGNED) + offs, m, mask=mask)
         tl.store(typed_ptr(t.exp_avg_sq, tl.float32, 16, ALIGNED) + offs, v, mask=mask)
@@ -166,7 +167,7 @@ def _store_state(t, param_dtype, offs, mask, first, end, rk, amsgrad, w, m, v, v
 @triton.jit
 def _adamw_block(offs, mask, first, end, t, s, rk, param_dtype, ALIGNED: tl.constexpr,
                  EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
-                 BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
+                 BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, INT4_STATE: tl.constexpr, SR: tl.constexpr):
     """One block of tensor ``t`` (a Row) with scalars ``s``, from element ``first`` to at most
     ``end``: ``mask`` is None for a full block. The state is read and written in the
     encodings the row names (``_compact_state``); the math between is the same for all.
@@ -176,7 +177,7 @@ def _adamw_block(offs, mask, first, end, t, s, rk, param_dtype, ALIGNED: tl.cons
     """
     g = load_f32(t.grad, t.grad_dtype, offs, mask, ALIGNED)
     w, m, v, v_max = _load_state(t, param_dtype, offs, mask, first, end, s.amsgrad, ALIGNED, SPLIT16, SPLIT8,
-                                   BF16_STATE, INT8_STATE)
+                                   BF16_STATE, INT8_STATE, INT4_STATE)
     if WRITE_GRAD:
         store_f32(t.grad, t.grad_dtype, offs, g * s.unscale, mask, ALIGNED)
     g = g * s.factor
@@ -208,45 +209,46 @@ def _adamw_block(offs, mask, first, end, t, s, rk, param_dtype, ALIGNED: tl.cons
     denom = tl.div_rn(root, s.bias_correction2_sqrt) + s.eps
     w = w + tl.div_rn(m * s.neg_step_size, denom)
     _store_state(t, param_dtype, offs, mask, first, end, rk, s.amsgrad, w, m, v, v_max, ALIGNED, SPLIT16,
-                   SPLIT8, BF16_STATE, INT8_STATE, SR)
+                   SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
 
 
 @triton.jit
 def _chunk_update(start, end, t, s, rk, param_dtype, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
                   EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr,
-                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, SR: tl.constexpr):
+                  BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr, INT4_STATE: tl.constexpr, SR: tl.constexpr):
     """Elements [start, end) of tensor ``t``: full blocks unmasked (chunks start on BLOCK multiples), then the tail."""
     full_end = start + (end - start) // BLOCK * BLOCK
     first = start
     while first < full_end:
         offs = tl.max_contiguous(tl.multiple_of(first + tl.arange(0, BLOCK), BLOCK), BLOCK)
         _adamw_block(offs, None, first, end, t, s, rk, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
-                     BF16_STATE, INT8_STATE, SR)
+                     BF16_STATE, INT8_STATE, INT4_STATE, SR)
         first += BLOCK
     if full_end < end:
         offs = full_end + tl.arange(0, BLOCK)
         _adamw_block(offs, offs < end, full_end, end, t, s, rk, param_dtype, ALIGNED, EMULATE_FMA, WRITE_GRAD, SPLIT16,
-                     SPLIT8, BF16_STATE, INT8_STATE, SR)
+                     SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
 
 
 @triton.jit
 def _program_update(start, end, t, s, rk, aligned, param_dtype, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
                     WRITE_GRAD: tl.constexpr, SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr,
-                    INT8_STATE: tl.constexpr, SR: tl.constexpr):
+                    INT8_STATE: tl.constexpr, INT4_STATE: tl.constexpr, SR: tl.constexpr):
     """The program's chunk, with 16-byte alignment hints when its tensor is aligned: a per-tensor
     fact, uniform per program (see [note: alignment per tensor])."""
     if aligned:
         _chunk_update(start, end, t, s, rk, param_dtype, BLOCK, True, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
-                      BF16_STATE, INT8_STATE, SR)
+                      BF16_STATE, INT8_STATE, INT4_STATE, SR)
     else:
         _chunk_update(start, end, t, s, rk, param_dtype, UNALIGNED_BLOCK, False, EMULATE_FMA, WRITE_GRAD, SPLIT16,
-                      SPLIT8, BF16_STATE, INT8_STATE, SR)
+                      SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
 
 
 @triton.jit
 def _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                   SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, SR: tl.constexpr):
-    """int8 moments whose rows are no whole number of blocks ([note: blocks in rows]): ``[start, end)``
+                   SPLIT16: tl.constexpr, SPLIT8: tl.constexpr, BF16_STATE: tl.constexpr, INT8_STATE: tl.constexpr,
+                   INT4_STATE: tl.constexpr, SR: tl.constexpr):
+    """int8 / int4 moments whose rows are no whole number of blocks ([note: blocks in rows]): ``[start, end)``
     counts elements of rows padded to whole blocks; each block is one SCALE_BLOCK tile at its row's
     elements, masked past the row's end, whose scale is the block's index (``first`` of the tile in
     the padded count: the scale index ``_compact_state`` takes)."""
@@ -257,7 +259,7 @@ def _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA: tl
         in_row = block % per_row * SCALE_BLOCK
         offs = block // per_row * row_numel + in_row + lanes
         _adamw_block(offs, lanes < row_numel - in_row, block * SCALE_BLOCK, (block + 1) * SCALE_BLOCK, t, s, rk,
-                     param_dtype, False, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8, BF16_STATE, True, SR)
+                     param_dtype, False, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
         block += 1
 
 
@@ -319,7 +321,8 @@ def _scalars(row, groups, stats_ptr, grad_scale_ptr, lrs, WRITE_GRAD: tl.constex
 def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, lrs, seed_lo, seed_hi,
                          BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
                          WRITE_GRAD: tl.constexpr = False, SPLIT16: tl.constexpr = False, SPLIT8: tl.constexpr = False,
-                         BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False, SR: tl.constexpr = False):
+                         BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False,
+                         INT4_STATE: tl.constexpr = False, SR: tl.constexpr = False):
     """One program per chunk (``chunks``: tensor index, first element); ``lrs``: the float lrs of the
     argument slots, three fp32 parts each ([note: group table]). The compact constexprs say which
     encodings the launch can meet: a launch without compact state compiles to the plain kernel."""
@@ -336,10 +339,11 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
                 tl.load(row + U_EXP_AVG_SQ_SCALES), tl.load(row + U_MAX_EXP_AVG_SQ_SCALES))
         numel = tl.load(row + U_NUMEL)
         row_numel = tl.load(row + U_ROW_NUMEL)
-        # [note: blocks in rows] int8 blocks start at every row: rows that are no whole number of
-        # blocks are chunked in rows padded to whole blocks (see _update_rows.work_numel) and stepped
+        # [note: blocks in rows] int8 / int4 blocks start at every row: rows that are no whole number
+        # of blocks are chunked in rows padded to whole blocks (see _update_rows.work_numel) and stepped
         # one block at a time (_ragged_update); everything else in the tensor's own elements
-        ragged = INT8_STATE and t.moment_kind == MOMENT_INT8 and row_numel % SCALE_BLOCK != 0 and row_numel != numel
+        blockwise = (INT8_STATE and t.moment_kind == MOMENT_INT8) or (INT4_STATE and t.moment_kind == MOMENT_INT4)
+        ragged = blockwise and row_numel % SCALE_BLOCK != 0 and row_numel != numel
         padded_row = (row_numel + SCALE_BLOCK - 1) // SCALE_BLOCK * SCALE_BLOCK
         end = tl.minimum(start + CHUNK, numel)
         first = start
@@ -355,27 +359,27 @@ def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retire
         # or bf16, for the whole program: deciding both here (the dtype code becomes a constexpr)
         # keeps those branches, and the registers they hold, out of the block loop. The split
         # loops are compiled only for launches with split masters.
-        if INT8_STATE and ragged:
+        if (INT8_STATE or INT4_STATE) and ragged:
             if (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
                 if SPLIT8 and param_dtype == DTYPE_F16:
                     _ragged_update(start, end, row_numel, t, s, rk, DTYPE_F16, EMULATE_FMA, WRITE_GRAD, False, SPLIT8,
-                                   BF16_STATE, SR)
+                                   BF16_STATE, INT8_STATE, INT4_STATE, SR)
                 else:
                     _ragged_update(start, end, row_numel, t, s, rk, DTYPE_BF16, EMULATE_FMA, WRITE_GRAD, SPLIT16, SPLIT8,
-                                   BF16_STATE, SR)
+                                   BF16_STATE, INT8_STATE, INT4_STATE, SR)
             else:
                 _ragged_update(start, end, row_numel, t, s, rk, param_dtype, EMULATE_FMA, WRITE_GRAD, False, False,
-                               BF16_STATE, SR)
+                               BF16_STATE, INT8_STATE, INT4_STATE, SR)
         elif (SPLIT16 or SPLIT8) and t.master_kind != MASTER_F32:
             if SPLIT8 and param_dtype == DTYPE_F16:  # fp16: split8 only
                 _program_update(start, end, t, s, rk, aligned, DTYPE_F16, BLOCK, EMULATE_FMA, WRITE_GRAD, False,
-                                SPLIT8, BF16_STATE, INT8_STATE, SR)
+                                SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
             else:
                 _program_update(start, end, t, s, rk, aligned, DTYPE_BF16, BLOCK, EMULATE_FMA, WRITE_GRAD, SPLIT16,
-                                SPLIT8, BF16_STATE, INT8_STATE, SR)
+                                SPLIT8, BF16_STATE, INT8_STATE, INT4_STATE, SR)
         else:
             _program_update(start, end, t, s, rk, aligned, param_dtype, BLOCK, EMULATE_FMA, WRITE_GRAD, False, False,
-                            BF16_STATE, INT8_STATE, SR)
+                            BF16_STATE, INT8_STATE, INT4_STATE, SR)
 
         # Steps advance last: every program of a tensor reads its step counter above, so no
         # program may advance it early: each takes a ticket when done, and the program holding the
@@ -417,8 +421,9 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
 
     Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
     told by the dtypes (MASTER_KIND_OF_DTYPE): split16 / split8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
-    bf16 moments, or int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes whose block scales
-    are ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
+    bf16 moments, int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes, or uint8 int4 codes of
+    all three (two per byte: ``packed_shape``, the param contiguous), whose block scales are
+    ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
     ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
     ``grad_scale`` comes as the caller normalised it (a 1-element fp32 tensor on the params' device).
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
@@ -440,7 +445,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
         layout, variant = memo[1], memo[4]
     else:
         layout, rows, kernel_grads, variant = _update_rows.tables_of(lists, grads, group_of, group_keys, device, scratch)  # (copies live past the launch)
-    split16, split8, bf16_state, int8_state, bare_bf16 = variant
+    split16, split8, bf16_state, int8_state, int4_state, bare_bf16 = variant
     stochastic = rounding_seed is not None and (bf16_state or bare_bf16)
     seed = int(rounding_seed) if stochastic else 0
     groups = _tables.cached("groups", ("groups", device, group_keys), device,
@@ -452,7 +457,7 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
         rows.n_tensors, tuple(lr_args), seed & _SEED_WORD, (seed >> int(ROUNDING_SEED_BITS)) & _SEED_WORD,
         BLOCK=_runtime.UPDATE_BLOCK, CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK,
         EMULATE_FMA=device.type == "cpu", WRITE_GRAD=grad_scale is not None, num_warps=_runtime.NUM_WARPS,
-        **_compact_constexprs(split16, split8, bf16_state, int8_state, stochastic),
+        **_compact_constexprs(split16, split8, bf16_state, int8_state, int4_state, stochastic),
         **({"maxnreg": _runtime.UPDATE_MAXNREG} if _runtime.UPDATE_MAXNREG else {}),
         # No implicit FMA: torch runs decay, moments and update as separate rounding ops; the
         # kernel uses tl.fma exactly where torch's kernels fuse (lerp, addcmul) and nowhere else.
@@ -469,10 +474,11 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
 _SEED_WORD = (1 << int(ROUNDING_SEED_BITS)) - 1  # [note: rounding bits]: int32 arguments, no recompile per seed
 
 
-def _compact_constexprs(split16, split8, bf16_state, int8_state, stochastic) -> dict:
+def _compact_constexprs(split16, split8, bf16_state, int8_state, int4_state, stochastic) -> dict:
     """The launch's compact constexprs, only those set: a plain launch passes none and compiles as
     the kernel without compact state."""
-    flags = dict(SPLIT16=split16, SPLIT8=split8, BF16_STATE=bf16_state, INT8_STATE=int8_state, SR=stochastic)
+    flags = dict(SPLIT16=split16, SPLIT8=split8, BF16_STATE=bf16_state, INT8_STATE=int8_state, INT4_STATE=int4_state,
+                 SR=stochastic)
     return {name: True for name, on in flags.items() if on}
 
 

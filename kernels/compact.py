@@ -15,7 +15,8 @@ so the fma the compiler contracts it into gives the same bits: callers may keep 
 import triton
 import triton.language as tl
 
-from ._contract_generated import SIGNED_MANT, SIGNED_ONE, SQRT_MANT, SQRT_ONE
+from ._contract_generated import (INT4_SIGNED_BOUNDS, INT4_SIGNED_LEVELS, INT4_SQRT_BOUNDS, INT4_SQRT_LEVELS, SIGNED_MANT,
+                                  SIGNED_ONE, SQRT_MANT, SQRT_ONE)
 
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
@@ -182,4 +183,47 @@ def encode_exp_avg_sq(v, scale):
 @triton.jit
 def decode_exp_avg_sq(code, scale):
     r = _decode_unit(code, SQRT_MANT) * scale
+    return r * r
+
+
+@triton.jit
+def _int4_code(y, BOUNDS: tl.constexpr):
+    """The number of the 15 ascending ``BOUNDS`` strictly below ``y`` (int32; a non-finite ``y`` counts as 0)."""
+    y = tl.where(_is_finite(y), y, 0.0)
+    code = (y > BOUNDS[0]).to(tl.int32)
+    for j in tl.static_range(1, 15):
+        code += (y > BOUNDS[j]).to(tl.int32)
+    return code
+
+
+@triton.jit
+def _int4_level(code, LEVELS: tl.constexpr):
+    """``LEVELS[code]`` for int32 ``code`` in [0, 15]: a chain of selects, one running value per element."""
+    level = tl.where(code == 1, LEVELS[1], LEVELS[0])
+    for j in tl.static_range(2, 16):
+        level = tl.where(code == j, LEVELS[j], level)
+    return level
+
+
+@triton.jit
+def encode_exp_avg4(m, scale):
+    """exp_avg -> 4-bit code (int32 in [0, 15]) given the block's ``max |m|`` ([note: int4 grids])."""
+    return _int4_code(tl.div_rn(m, scale), INT4_SIGNED_BOUNDS)
+
+
+@triton.jit
+def decode_exp_avg4(code, scale):
+    return _int4_level(code, INT4_SIGNED_LEVELS) * scale
+
+
+@triton.jit
+def encode_exp_avg_sq4(root, scale):
+    """exp_avg_sq -> 4-bit code given ``root`` = ``sqrt_rn(v)`` (the block maximum's operand, so taken
+    once by the caller) and the block's ``max sqrt(v)``."""
+    return _int4_code(tl.div_rn(root, scale), INT4_SQRT_BOUNDS)
+
+
+@triton.jit
+def decode_exp_avg_sq4(code, scale):
+    r = _int4_level(code, INT4_SQRT_LEVELS) * scale
     return r * r

@@ -243,3 +243,41 @@ def test_triton_int8_moments(kind):
            SCALE_EVERY=C.BLOCK)
     same_bits(code.cpu(), codes.to(torch.int32), f"{kind} codes")
     same_bits(back.cpu(), decoded, f"{kind} decoded")
+
+
+@triton.jit
+def _moment4_kernel(x_ptr, scale_ptr, code_ptr, back_ptr, n, SIGNED: tl.constexpr, SCALE_EVERY: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + offs // SCALE_EVERY, mask=mask, other=1.0)
+    if SIGNED:
+        code = K.encode_exp_avg4(x, scale)
+        back = K.decode_exp_avg4(code, scale)
+    else:
+        code = K.encode_exp_avg_sq4(tl.sqrt_rn(x), scale)
+        back = K.decode_exp_avg_sq4(code, scale)
+    tl.store(code_ptr + offs, code, mask=mask)
+    tl.store(back_ptr + offs, back, mask=mask)
+
+
+def int4_moments(kind):
+    """:func:`moments` of even length, and a block whose elements sit on the grid's bounds (ties take the lower level)."""
+    x = moments(kind, n=37 * C.BLOCK + 20)
+    bounds = torch.tensor(C.INT4_GRIDS[kind][1])
+    x[9 * C.BLOCK: 10 * C.BLOCK] = 0
+    ties = 9 * C.BLOCK + torch.arange(bounds.numel() + 1)
+    x[ties] = torch.cat([bounds if kind == "signed" else bounds * bounds, torch.ones(1)])  # the block's maximum 1
+    return x
+
+
+@pytest.mark.parametrize("kind", ["signed", "sqrt"])
+def test_triton_int4_moments(kind):
+    x = int4_moments(kind)
+    codes, scales = C.quantize4(x, kind)
+    code, back = empty(x.numel()), empty(x.numel(), torch.float32)
+    launch(_moment4_kernel, x.numel(), x.to(DEVICE), scales.to(DEVICE), code, back, SIGNED=kind == "signed",
+           SCALE_EVERY=C.BLOCK)
+    same_bits(code.cpu(), C.unpack4(codes).to(torch.int32), f"{kind} codes")
+    same_bits(back.cpu(), C.dequantize4(codes, scales, kind), f"{kind} decoded")

@@ -30,6 +30,7 @@ Rules (each failure is printed; see [note: rules]):
            the compact variants read theirs from shared memory: [note: compact registers]).
   order    in the compact update variants' group loop (their largest innermost loop), every
            vector load of tensor data comes before the first store ([note: compact registers]).
+  parity   each Triton update variant with int4 moments keeps at least its int8 twin's blocks per SM.
   flight   each update variant keeps at least MIN_BLOCKS blocks per SM, and its estimated share of
            HBM bandwidth (FLIGHT below) is at least MIN_SHARE.
   contract every probe of sm90_probes.cu has as many FFMA/DFMA with nvcc's default contraction as
@@ -273,12 +274,46 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         problems += [f"{entry['name']} [{entry['config']}]: spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(entry["name"], info["regs"], smem, entry["config"])
         if entry["name"] == "_adamw_update_kernel":
-            rows[-1]["vectors"], vector_problems = full_block_vectors(instructions)
+            packed = PACKED_CODE_TENSORS if "INT4_STATE=True" in entry["config"] else 0
+            rows[-1]["vectors"], vector_problems = full_block_vectors(instructions, packed)
             problems += [f"{entry['name']} [{entry['config']}]: {p}" for p in vector_problems]
         if KEEP is not None:
             (KEEP / f"triton{i}_{entry['name']}.sass").write_text("\n".join(f"/*{a:04x}*/ {t}" for a, t in instructions))
             (KEEP / f"triton{i}_{entry['name']}.ptx").write_text(kernel.asm["ptx"])
-    return rows, problems
+    return rows, problems + int4_parity(rows)
+
+
+def int4_parity(rows: list[dict]) -> list[str]:
+    """[note: int4 parity] Each Triton update variant with int4 moments (and no int8 ones) keeps at
+    least the blocks per SM of its int8 twin, the same launch with int8 moments (issue 35: 4-bit
+    moments may not cost occupancy); the twin's count goes into the row for the table."""
+    update = {r["config"]: r for r in rows if r["kernel"] == "_adamw_update_kernel"}
+    problems = []
+    for config, row in update.items():
+        if "INT4_STATE=True" not in config or "INT8_STATE=True" in config:
+            continue
+        twin = update.get(config.replace("INT4_STATE=True", "INT8_STATE=True"))
+        if twin is None:
+            problems.append(f"_adamw_update_kernel [{config}]: no int8 twin compiled to compare blocks per SM with")
+            continue
+        row["int8_twin"] = twin
+        if row["occupancy"][0] < twin["occupancy"][0]:
+            problems.append(f"_adamw_update_kernel [{config}]: {row['occupancy'][0]} blocks per SM < its int8 twin's "
+                            f"{twin['occupancy'][0]} ([note: int4 parity])")
+    return problems
+
+
+def parity_table(rows: list[dict]) -> str:
+    rows = [r for r in rows if "int8_twin" in r]
+    if not rows:
+        return ""
+    lines = ["int4 moments against int8 ([note: int4 parity]): the update variants' registers and blocks per SM.", "",
+             "| config (int4) | regs int4 / int8 | blocks/SM int4 / int8 |", "|---|---:|---:|"]
+    for r in rows:
+        config = r["config"].replace("BLOCK=512, CHUNK=8192, TABLE_BLOCK=1024, EMULATE_FMA=False, ", "")
+        lines.append(f"| {config} | {r['regs']} / {r['int8_twin']['regs']} "
+                     f"| {r['occupancy'][0]} / {r['int8_twin']['occupancy'][0]} |")
+    return "\n".join(lines)
 
 
 KEEP: Path | None = None  # --keep: where the Triton kernels' PTX and SASS are written
@@ -294,16 +329,22 @@ def global_access(text: str) -> tuple[str, int, bool] | None:
     return m.group(2), bits, m.group(1) is not None
 
 
-def full_block_vectors(instructions: list[tuple[int, str]]) -> tuple[dict[str, int], list[str]]:
+# int4 codes: a thread's 4 elements are 2 bytes, which it moves in one 16-bit access ([note: int4
+# blocks] in kernels/_compact_state.py): at most one load and one store per code tensor of a block
+PACKED_CODE_TENSORS = 3  # exp_avg, exp_avg_sq, max_exp_avg_sq
+
+
+def full_block_vectors(instructions: list[tuple[int, str]], packed: int = 0) -> tuple[dict[str, int], list[str]]:
     """[note: vector rule] The update's aligned full-block loops and the width of their accesses.
 
     The block loops are the innermost loops that move tensor data (a tail block runs once, outside
     them); an aligned one moves 128 bits somewhere, while an unaligned tensor's loop moves every
     element alone. A thread owns 4 consecutive elements of every tensor: fp32 moves as 128-bit,
-    16-bit as 64-bit and int8 codes as 32-bit accesses (branches of the dtype codes may predicate
-    them). The rule: each variant has an aligned block loop with 128-bit loads and stores, and no
-    aligned loop moves 8- or 16-bit scalars (a tensor that lost its vectors, as every tensor of an
-    int8-moment launch did when the int8 blocks were 2-D tiles without contiguity hints)."""
+    16-bit as 64-bit, int8 codes as 32-bit and packed int4 codes as 16-bit accesses (branches of the
+    dtype codes may predicate them). The rule: each variant has an aligned block loop with 128-bit
+    loads and stores, and no aligned loop moves 8- or 16-bit scalars (a tensor that lost its
+    vectors, as every tensor of an int8-moment launch did when the int8 blocks were 2-D tiles
+    without contiguity hints), but for ``packed`` 16-bit loads and as many stores of int4 codes."""
     counts = {f"{op}.{bits}": 0 for op in ("LDG", "STG") for bits in (128, 64, 32, 16, 8)}
     counts["loops"] = 0
     problems = []
@@ -314,7 +355,8 @@ def full_block_vectors(instructions: list[tuple[int, str]]) -> tuple[dict[str, i
         counts["loops"] += 1
         for op, bits, _ in accesses:
             counts[f"{op}.{bits}"] += 1
-        scalars = [f"{op}.{bits}" for op, bits, _ in accesses if bits < 32]
+        widths = [f"{op}.{bits}" for op, bits, _ in accesses]
+        scalars = [w for w in widths if w.endswith(".8") or w.endswith(".16") and widths.count(w) > packed]
         if scalars:
             problems.append(f"aligned block loop {a:#x}-{b:#x} moves {len(scalars)} 8/16-bit scalars "
                             f"({', '.join(sorted(set(scalars)))}): a tensor lost its vector accesses")
@@ -326,16 +368,23 @@ def full_block_vectors(instructions: list[tuple[int, str]]) -> tuple[dict[str, i
 
 def compact_updates(adamw, hyper, numels):
     """The update's compact variants (DESIGN §9): split16 alone (the most common), bf16 moments with
-    stochastic rounding, split8 with bf16 moments, int8 moments, and every encoding in one launch."""
+    stochastic rounding, split8 with bf16 moments, int8 moments, int4 moments under each master an
+    optimizer gives them (split16, split8, none with stochastic rounding), and every encoding in one
+    launch. An optimizer has one master mode and one state_dtype, so int4 meets no other master or
+    moment encoding in its launches but fp32 (small tensors); the launch of every encoding with int4
+    in int8's place spills in its block loops (reachable only through hand-built lists)."""
     import torch
     from ampfused._batch import Batch
-    from ampfused._contract import SCALE_BLOCK, MASTER_ENCODINGS
+    from ampfused._contract import SCALE_BLOCK, MASTER_ENCODINGS, packed_shape
 
     def tensors(param_dtype, master_dtype, state_dtype, n):
+        n += n % 2 if state_dtype == "int4" else 0  # [note: int4 packing]: pairs of elements
         p = torch.zeros(n, dtype=param_dtype)
         master = None if master_dtype is None else torch.zeros(n, dtype=master_dtype)
-        if state_dtype == "int8":
-            moments = [torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)]
+        if state_dtype in ("int8", "int4"):
+            codes = (n,) if state_dtype == "int8" else packed_shape((n,))
+            moments = [torch.zeros(codes, dtype=torch.int8 if state_dtype == "int8" else torch.uint8),
+                       torch.zeros(codes, dtype=torch.uint8)]
             blocks = -(-n // SCALE_BLOCK)
             scales = (torch.zeros(blocks), torch.zeros(blocks), None)
         else:
@@ -356,7 +405,10 @@ def compact_updates(adamw, hyper, numels):
         launch([(bf16, None, bf16)] * 4, seed=1, grad_scale=grad_scale)
         launch([(bf16, split16, bf16)] * 4, seed=1, grad_scale=grad_scale)
         launch([(fp16, torch.int8, bf16)] * 4, grad_scale=grad_scale)
-        launch([(bf16, split16, "int8")] * 4, grad_scale=grad_scale)
+        for blockwise in ("int8", "int4"):  # each int4 variant beside its int8 twin ([note: int4 parity])
+            launch([(bf16, split16, blockwise)] * 4, grad_scale=grad_scale)
+            launch([(bf16, torch.int8, blockwise)] * 4, grad_scale=grad_scale)
+            launch([(bf16, None, blockwise)] * 4, seed=1, grad_scale=grad_scale)
         launch(mixed, seed=1, grad_scale=grad_scale)
 
 
@@ -612,6 +664,8 @@ def main() -> int:
     text = report_table(rows)
     if vectors := vector_table(rows):
         text += "\n\n" + vectors
+    if parity := parity_table(rows):
+        text += "\n\n" + parity
     extra = cuda_tables(rows, probes)
     if extra:
         text += "\n\n" + extra

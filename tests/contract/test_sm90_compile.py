@@ -1,7 +1,8 @@
 """Every Triton kernel (and passes.cu, when nvcc is found) compiled for sm_90 offline with
 the configurations the code launches (every update variant with and without WRITE_GRAD), both from
 this checkout: no contracted non-finite test, no spill in a hot loop, registers and shared memory
-within budget, 128-bit accesses in every update variant's aligned block loop; with nvcc, global loads/stores,
+within budget, 128-bit accesses in every update variant's aligned block loop, the int4-moment variants at
+the blocks per SM of their int8 twins; with nvcc, global loads/stores,
 the compact update's loads before its stores, blocks and bytes in flight per SM of each update
 variant, and no contracted product in the scalar routines. See tests/contract/sm90_compile.py."""
 import importlib.util
@@ -35,6 +36,7 @@ def test_kernels_compile_for_sm90_within_the_rules():
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "_grad_stats_kernel" in done.stdout and "_adamw_update_kernel" in done.stdout
+    assert "int4 moments against int8" in done.stdout  # the int4 variants were compiled beside their int8 twins
     root = str(SCRIPT.resolve().parents[2])
     assert f"source tree: {root} " in done.stdout  # the checkout's kernels, for Triton and nvcc alike
     if shutil.which("nvcc"):
