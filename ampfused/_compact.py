@@ -73,8 +73,8 @@ the scale ([note: int4 grids])::
                                           a non-finite y counts as 0)
     m' = LEVELS[code] * scale            v' = (LEVELS[code] * scale)^2
 
-[note: int4 grids] exp_avg takes the dynamic-exponent map of torchao and bitsandbytes (``INT4_SIGNED_LEVELS``:
-0, 1 and seven levels on each side from 0.0055 to 0.8875); sqrt(exp_avg_sq) an E3M1 grid without 0
+[note: int4 grids] exp_avg takes sign + E2M1 magnitudes with 1 on top, widened by two powers of two
+(``INT4_SIGNED_LEVELS``: 0 and +-{1, 0.75, 0.5, 0.375, 0.25, 0.125, 0.0625}); sqrt(exp_avg_sq) an E3M1 grid without 0
 (``INT4_SQRT_LEVELS``: ``2^-e`` and ``0.75 2^-e``, ``e = 0 .. 7``), so ``v`` never decodes to 0 in a
 block whose maximum is not 0 (unless ``(0.0059 scale)^2`` underflows fp32, a block of ``v`` under
 2^-134): the "zero-point problem" of Li et al. (2023), where a ``v'`` of 0 under a non-zero ``m'`` sends

@@ -76,9 +76,10 @@ SQRT_MANT = 4     # sqrt(exp_avg_sq): 4-bit exponent + 4-bit mantissa
 SQRT_ONE = 240
 # [note: int4 grids] The 4-bit grids (ampfused/_compact.py): 16 levels each, ascending, in units of the block
 # scale; a code is the index of its level. Chosen by measurement: docs/results/int4-grids.md.
-# exp_avg (scale max |m|): the dynamic-exponent map of torchao / bitsandbytes, sign + exponent + fraction
-INT4_SIGNED_LEVELS = (-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
-                      0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0)
+# exp_avg (scale max |m|): sign + E2M1 magnitudes with 1 on top (1, 0.75, 0.5, 0.375, 0.25), two powers of two
+# below (1/8, 1/16) and 0 (twice: the 16th code), steps of at most 2x everywhere and 1.5x above 1/4
+INT4_SIGNED_LEVELS = tuple(sorted([s * x for s in (-1, 1) for x in (1.0, 0.75, 0.5, 0.375, 0.25, 0.125, 0.0625)]
+                                  + [0.0, 0.0]))
 # sqrt(exp_avg_sq) (scale max sqrt(v)): E3M1 without zero, 2^-e and 0.75 * 2^-e for e = 0 .. 7, so that v
 # never decodes to 0 in a block whose maximum is not 0 (the paper's zero-point problem)
 INT4_SQRT_LEVELS = tuple(sorted(f * 2.0 ** -e for e in range(8) for f in (0.75, 1.0)))

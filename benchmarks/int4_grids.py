@@ -20,6 +20,11 @@ batches; ``train_model``):
   check: a v that decodes to 0 would make it ~1/eps), and the relative L2 error of the whole update.
 * **dead zone**: the share of int4 elements whose stored exp_avg is 0 after a training run's last
   step (they move by weight decay alone).
+* **noise floor**: the noisy linear regression of ``tests/compact/test_compact_training.py`` (a bf16
+  64 x 80 weight, 200 steps of the specification's step), which trains to its noise floor: the final
+  loss with each ``exp_avg`` grid (e3m1 for sqrt(v)) against fp32 moments, with an fp32 master and
+  with no master + stochastic rounding. Near the optimum every element of a row is noise of one
+  size, so the grid's steps between 1/8 and 1 of the block maximum decide.
 
 Block layouts: ``rows`` is the real one ([note: blocks in rows]: ``SCALE_BLOCK`` elements within
 each dim-0 row; on this d=64 model most rows are 64 elements, so its real blocks are its rows);
@@ -59,12 +64,19 @@ def _fp32(levels) -> tuple[float, ...]:
 
 # exp_avg grids (signed, scale max |m|)
 SIGNED_GRIDS = {
-    # the dynamic-exponent map of torchao / bitsandbytes (the contract's provisional table)
-    "de": _contract.INT4_SIGNED_LEVELS,
+    # the dynamic-exponent map of torchao / bitsandbytes (the first provisional table)
+    "de": _fp32(sorted([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+                        0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0])),
     # sign + power of two: +-2^-k for k = 0..6, and zero twice (the 16th code)
     "log": _fp32(sorted([s * 2.0 ** -k for s in (-1, 1) for k in range(7)] + [0.0, 0.0])),
     # E2M1 (OCP FP4) magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} / 6, signed (zero twice)
     "fp4": _fp32(sorted(s * f / 6 for s in (-1, 1) for f in (0, 0.5, 1, 1.5, 2, 3, 4, 6))),
+    # E2M1 with 1 on top: +-{1, .75, .5, .375, .25, .1875, .125} (2^-e and 0.75 * 2^-e), zero twice
+    "e2m1": _fp32(sorted([s * x for s in (-1, 1) for x in (1, .75, .5, .375, .25, .1875, .125)] + [0.0, 0.0])),
+    # linear: +-k/7, and zero twice
+    "linear": _fp32(sorted([k / 7 for k in range(-7, 8)] + [0.0])),
+    # E2M1 with 1 on top widened by two powers of two: +-{1, .75, .5, .375, .25, .125, 1/16}, zero twice (the contract's)
+    "e2m1-wide": _contract.INT4_SIGNED_LEVELS,
 }
 # sqrt(exp_avg_sq) grids (non-negative, scale max sqrt(v))
 SQRT_GRIDS = {
@@ -182,6 +194,35 @@ def configs(pairs) -> list[tuple[str | None, str | None, str]]:
     return rows
 
 
+def noise_floor(m_grid, master_weights: str, stochastic: bool, steps: int = 200) -> float:
+    """Final loss of the noise-floor regression with ``exp_avg`` on ``m_grid`` (None: fp32 moments)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 80, generator=g)
+    y = x @ (torch.randn(64, 80, generator=g) / 8).T + 0.05 * torch.randn(512, 64, generator=g)
+    params = [(torch.randn(64, 80, generator=g) / 8).bfloat16(), torch.zeros(64, dtype=torch.bfloat16)]
+    grids = dict(_compact.INT4_GRIDS)
+    if m_grid is not None:  # the specification's step reads its grids from INT4_GRIDS
+        _compact.INT4_GRIDS["signed"] = (SIGNED_GRIDS[m_grid], bounds_of(SIGNED_GRIDS[m_grid]))
+    try:
+        states = [_compact.init_state(p, master_weights, torch.float32 if m_grid is None else "int4") for p in params]
+        torch.manual_seed(0)
+
+        def loss_and_grads():
+            w, b = (p.float().requires_grad_() for p in params)
+            loss = ((x @ w.T + b - y) ** 2).mean()
+            loss.backward()
+            return loss.detach(), (w.grad, b.grad)
+
+        for _ in range(steps):
+            _, grads = loss_and_grads()
+            for p, grad, st in zip(params, grads, states):
+                _compact.compact_adamw_step_(p, grad, st, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                                             stochastic_rounding=stochastic)
+        return loss_and_grads()[0].item()
+    finally:
+        _compact.INT4_GRIDS.update(grids)
+
+
 def label(m, v, layout) -> str:
     return f"m={m or 'fp32'} v={v or 'fp32'} {layout}"
 
@@ -262,6 +303,12 @@ def main(argv=None) -> None:
             run(seed, None, None, "rows")
             for m, v in [PROVISIONAL] + [p for p in pairs if p != PROVISIONAL]:
                 run(seed, m, v, "flat256")
+    for master_weights, stochastic in (("fp32", False), ("none", True)):
+        base = noise_floor(None, master_weights, stochastic)
+        for m in SIGNED_GRIDS:
+            loss = noise_floor(m, master_weights, stochastic)
+            results.setdefault("noise_floor", []).append(dict(m=m, master=master_weights, stochastic=stochastic,
+                                                              loss=loss, fp32_moments=base))
     save()
     print_tables(results)
 
@@ -291,6 +338,12 @@ def print_tables(results) -> None:
     for e in results["update"]:
         print(f"| {e['m'] or 'fp32'} | {e['v'] or 'fp32'} | {e['layout']} | {e['median_rel']:.3f} | {e['p99_rel']:.3f} | "
               f"{100 * e['over_2x']:.2f}% | {100 * e['under_half']:.2f}% | {e['max_ratio']:.2f} | {e['l2_rel']:.3f} |")
+    rows = results.get("noise_floor", [])
+    print("\n| exp_avg (sqrt(v): e3m1) | fp32 master | no master + SR |")
+    print("|---|---:|---:|")
+    for m in dict.fromkeys(r["m"] for r in rows):
+        cells = [f"{100 * (r['loss'] / r['fp32_moments'] - 1):+.2f}%" for r in rows if r["m"] == m]
+        print(f"| {m} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
