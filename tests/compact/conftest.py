@@ -114,7 +114,10 @@ def make_kernel(name, request):
         # a tail block and a second chunk in the interpreter (CHUNK 1024); the interpreter pays per element
         from ampfused.kernels import _runtime
 
-        return Kernel("triton", backend, DEVICE, 1300, 4096, _runtime.CHUNK)
+        # a split8 master one residual unit (ulp(p)/256: 2^-18 of an fp16 param) from the spec's, where the
+        # spec's torch ops round the fp32 math an ulp differently, as the CUDA kernel's
+        return Kernel("triton", backend, DEVICE, 1300, 4096, _runtime.CHUNK,
+                      master_rtol={"master_low16": 1e-6, "master_residual8": 2 ** -14})
     if name == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("the CUDA backend needs a CUDA GPU; this machine has none")
