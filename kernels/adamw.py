@@ -321,11 +321,13 @@ def _scalars(row, groups, stats_ptr, grad_scale_ptr, lrs, WRITE_GRAD: tl.constex
 def _adamw_update_kernel(rows, chunks, groups, stats_ptr, grad_scale_ptr, retired_ptr, n_tensors, lrs, seed_lo, seed_hi,
                          BLOCK: tl.constexpr, CHUNK: tl.constexpr, TABLE_BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr,
                          WRITE_GRAD: tl.constexpr = False, SPLIT16: tl.constexpr = False, SPLIT8: tl.constexpr = False,
-                         BF16_STATE: tl.constexpr = False, INT8_STATE: tl.constexpr = False,
-                         INT4_STATE: tl.constexpr = False, SR: tl.constexpr = False):
+                         BF16_STATE: tl.constexpr = False, CODE_BITS: tl.constexpr = 0, SR: tl.constexpr = False):
     """One program per chunk (``chunks``: tensor index, first element); ``lrs``: the float lrs of the
     argument slots, three fp32 parts each ([note: group table]). The compact constexprs say which
-    encodings the launch can meet: a launch without compact state compiles to the plain kernel."""
+    encodings the launch can meet (``CODE_BITS``: the blockwise codes, 8 for int8, 4 for int4, 12 for
+    both): a launch without compact state compiles to the plain kernel."""
+    INT8_STATE: tl.constexpr = (CODE_BITS & 8) != 0
+    INT4_STATE: tl.constexpr = (CODE_BITS & 4) != 0
     # early exit: a skipped step writes nothing at all (state stays bitwise unchanged)
     if tl.load(stats_ptr + SKIP) == 0:
         pid = tl.program_id(0)
@@ -477,9 +479,9 @@ _SEED_WORD = (1 << int(ROUNDING_SEED_BITS)) - 1  # [note: rounding bits]: int32 
 def _compact_constexprs(split16, split8, bf16_state, int8_state, int4_state, stochastic) -> dict:
     """The launch's compact constexprs, only those set: a plain launch passes none and compiles as
     the kernel without compact state."""
-    flags = dict(SPLIT16=split16, SPLIT8=split8, BF16_STATE=bf16_state, INT8_STATE=int8_state, INT4_STATE=int4_state,
-                 SR=stochastic)
-    return {name: True for name, on in flags.items() if on}
+    flags = {name: True for name, on in dict(SPLIT16=split16, SPLIT8=split8, BF16_STATE=bf16_state, SR=stochastic).items() if on}
+    code_bits = (8 if int8_state else 0) | (4 if int4_state else 0)
+    return {**flags, "CODE_BITS": code_bits} if code_bits else flags
 
 
 def _group_rows(group_ids, groups, lr_kinds, device):

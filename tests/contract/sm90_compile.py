@@ -274,7 +274,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
         problems += [f"{entry['name']} [{entry['config']}]: spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(entry["name"], info["regs"], smem, entry["config"])
         if entry["name"] == "_adamw_update_kernel":
-            packed = PACKED_CODE_TENSORS if "INT4_STATE=True" in entry["config"] else 0
+            packed = PACKED_CODE_TENSORS if "CODE_BITS=4" in entry["config"] or "CODE_BITS=12" in entry["config"] else 0
             rows[-1]["vectors"], vector_problems = full_block_vectors(instructions, packed)
             problems += [f"{entry['name']} [{entry['config']}]: {p}" for p in vector_problems]
         if KEEP is not None:
@@ -290,9 +290,9 @@ def int4_parity(rows: list[dict]) -> list[str]:
     update = {r["config"]: r for r in rows if r["kernel"] == "_adamw_update_kernel"}
     problems = []
     for config, row in update.items():
-        if "INT4_STATE=True" not in config or "INT8_STATE=True" in config:
+        if "CODE_BITS=4" not in config:
             continue
-        twin = update.get(config.replace("INT4_STATE=True", "INT8_STATE=True"))
+        twin = update.get(config.replace("CODE_BITS=4", "CODE_BITS=8"))
         if twin is None:
             problems.append(f"_adamw_update_kernel [{config}]: no int8 twin compiled to compare blocks per SM with")
             continue

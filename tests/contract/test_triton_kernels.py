@@ -132,7 +132,7 @@ def registers(kernel):
     return regs, spills
 
 sizes = dict(CHUNK=_runtime.CHUNK, TABLE_BLOCK=_runtime.TABLE_BLOCK)
-plain = {flag: False for flag in ("SPLIT16", "SPLIT8", "BF16_STATE", "INT8_STATE", "SR")}  # the update without compact state
+plain = {**{flag: False for flag in ("SPLIT16", "SPLIT8", "BF16_STATE", "SR")}, "CODE_BITS": 0}  # the update without compact state
 update_sig = dict(rows="*i64", chunks="*i64", groups="*i64", stats_ptr="*fp32", grad_scale_ptr="*fp32", retired_ptr="*i32", n_tensors="i32",
                   lrs=("fp32",) * (3 * adamw.LR_SLOTS), seed_lo="i32", seed_hi="i32")  # lrs: three fp32 parts per slot
 update = compile_kernel(adamw._adamw_update_kernel, update_sig, dict(sizes, **plain, BLOCK=_runtime.UPDATE_BLOCK, EMULATE_FMA=False, WRITE_GRAD=False),
