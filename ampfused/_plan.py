@@ -70,8 +70,8 @@ class StepPlan:
     [note: grads released] Between steps the plan holds no reference to the grads (``release_grads``,
     called when the step is done): ``zero_grad(set_to_none=True)`` then frees them, as with torch's
     optimizers, instead of keeping a whole set of gradients alive through the next forward and
-    backward and freeing it inside the next ``step()`` (at 50M params, 200 MB more peak memory and
-    ~10 ms of munmap in the step). A plan needs no grad's identity: it takes any grads that have the
+    backward and freeing it inside the next ``step()`` (what that cost at 50M params:
+    docs/results/large-tensors.md, finding 1). A plan needs no grad's identity: it takes any grads that have the
     params and the layouts of the ones it checked.
     """
 

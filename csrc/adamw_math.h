@@ -131,10 +131,9 @@ AMPFUSED_HD AdamWScalars adamw_scalars(double lr, double beta1, double beta2, do
 #define AMPFUSED_EXACT_DIV_BY_CONSTANT 1
 // [note: division by a constant] a / c, correctly rounded, from y = RN(1/c) without the divider,
 // which the CPU update is bound by (two divisions and a sqrt per element) where the divider is
-// slow: Intel's takes 10-16 cycles per 512-bit division. AMD Zen 4's takes ~6 while each of the
-// four FMAs here takes two of its 256-bit slots, so the builds for AMD family 19h (AMPFUSED_DIVIDER:
-// kernels_avx2_div.cpp, kernels_avx512_div.cpp) divide, which is faster there
-// (docs/results/cpu-loops.md). Bitwise the same either way. q0 = RN(a*y) is within
+// slow (Intel's). On AMD family 19h the divider is fast and the FMAs cost two slots each, so the
+// builds for it (AMPFUSED_DIVIDER: kernels_avx2_div.cpp, kernels_avx512_div.cpp) divide, which is
+// faster there (cycles and ns per element: docs/results/cpu-loops.md). Bitwise the same either way. q0 = RN(a*y) is within
 // 1.5 ulp of a/c; one FMA correction brings it within 1 ulp, and then Markstein's theorem (y within
 // half an ulp of 1/c, q within 1 ulp of a/c, a - c*q exact in an FMA) makes the second correction
 // RN(a/c). It needs a - c*q not to underflow: here a = sqrt(v) >= 2^-74.5 or 0, c in (0, 1]. Zeros, inf

@@ -16,7 +16,7 @@ then every access of a block, fp32 or 16-bit, has 4 contiguous elements a thread
 8-byte 16-bit vectors) and the compiler needs no shared-memory layout conversions between them.
 
 The interpreter re-patches ``triton.language`` at every call of a nested
-``@triton.jit`` function (~1 ms each), so the kernels call few helpers per block and these
+``@triton.jit`` function (its cost: docs/results/compact-tests-time.md), so the kernels call few helpers per block and these
 helpers call none.
 """
 import triton

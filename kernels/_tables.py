@@ -4,7 +4,7 @@ A pass gets small int64 device tables instead of one argument per tensor:
 
 * a *chunk layout*, one row per CHUNK-sized piece of every tensor: ``(tensor index, first
   element)``. It depends only on the element counts, so it is built once per set of sizes
-  (the 7B-shaped model: ~820k rows, tens of ms) and kept while sizes stay;
+  (the 7B-shaped model: ~820k rows; its build time: docs/results/host-fresh-grads.md) and kept while sizes stay;
 * a *row table*, one row per tensor: raw addresses (``data_ptr()``) of the user's param and grad
   and of the optimizer-owned views (``exp_avg``, ..., 0 for a missing one), the element count,
   dtype codes, a per-tensor alignment flag and the index of the tensor's hyperparameter row. It
@@ -129,7 +129,7 @@ class ScratchRows:
 
     def __init__(self, rows: Rows, host: Tensor, grads: list, addr_column: int, aligned_column: int, other_aligned: Tensor,
                  device: torch.device, memo: dict):
-        # numpy on the host side: its small ops cost ~1 us where torch's cost ~10 (Triton requires numpy)
+        # numpy on the host side: its small ops cost less than torch's (docs/results/host-fresh-grads.md; Triton requires numpy)
         # only their addresses: holding the grads between steps would keep a
         # whole set of gradients alive after zero_grad(set_to_none=True)
         self.rows, self.host, self.memo = rows, host.numpy(), memo
