@@ -246,7 +246,7 @@ def check_grad(p: Tensor, grad: Tensor) -> None:
 
 
 def check_compact_lists(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, moment_scales, rounding_seed) -> None:
-    """The functional API's compact state (encodings told by dtypes, ``_backends.Backend``): consistent per tensor."""
+    """The functional API's compact state (encodings told by dtypes: docs/design.md §9): consistent per tensor."""
     if rounding_seed is not None and (isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int)):
         raise TypeError(f"rounding_seed must be an int or None, got {type(rounding_seed).__name__}")
     if moment_scales is not None and len(moment_scales) != len(params):

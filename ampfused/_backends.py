@@ -66,11 +66,9 @@ class Backend(Protocol):
         leaves in ``p.grad``). The grads come validated (``ampfused._args.check_grad``): same
         shape, device and memory layout as their param, a kernel dtype. ``scratch``: as above.
 
-        Compact state (DESIGN §9; ``ampfused._compact`` specifies every encoding) is told by dtypes:
-        ``masters[i]`` fp32 (a master copy), bfloat16 bits (split16 low halves, bf16 params) or int8 (split8
-        residual); moments fp32, bf16, or int8 codes of ``exp_avg`` with uint8 codes of
-        ``exp_avg_sq``/``max_exp_avg_sq``, whose fp32 scales (one per 256 elements in the param's
-        memory order) come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
+        Compact state is told by the dtypes of ``masters[i]`` and the moments (which dtype means which
+        encoding: docs/design.md §9, "told by dtypes"; ``ampfused._compact`` specifies every encoding);
+        blockwise moments' fp32 scales come in ``batch.moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales,
         max_exp_avg_sq_scales or None)`` (``moment_scales`` None, or None entries, for other tensors).
         ``rounding_seed``: None rounds every bf16 write to nearest even; an int rounds the bf16 writes
         without an exact master (bf16 moments, bf16 params without master) stochastically, with the

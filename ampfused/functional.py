@@ -101,11 +101,10 @@ def fused_amp_adamw(
     when the step was skipped; ``None`` when nothing computed it: ``skip_nonfinite=False`` without
     scaler and clipping) and a 0-d fp32 flag, both on the device; nothing is synchronized.
 
-    Compact state (DESIGN §9, keys and encodings in ``ampfused._compact``) is told by the dtypes of
-    the lists: ``master_params[i]`` bfloat16 bits (split16 low halves) or int8 (split8 residual); bf16
-    moments; int8/uint8 moment codes, whose fp32 block scales come in ``moment_scales[i] =
-    (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)`` (``None`` entries for other
-    tensors). ``rounding_seed`` (an int) rounds the bf16 writes without an exact master
+    Compact state is told by the dtypes of ``master_params`` and the moments (which dtype means
+    which encoding: docs/design.md §9, "told by dtypes"); blockwise moments' fp32 scales come in
+    ``moment_scales[i] = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None)``
+    (``None`` entries for other tensors). ``rounding_seed`` (an int) rounds the bf16 writes without an exact master
     stochastically; ``None`` rounds to nearest even.
     """
     check_flag(skip_nonfinite, "skip_nonfinite")

@@ -58,7 +58,7 @@ def adamw_update_(batch: Batch, stats: Tensor, *, scratch=None, grad_scale: Tens
                   rounding_seed: int | None = None) -> None:
     """One AdamW step per tensor; see ``_backends.Backend`` for the contract of every argument (no scratch needed).
 
-    Compact tensors (told by their dtypes, ``_backends.Backend``) step through
+    Compact tensors (told by their dtypes: docs/design.md §9) step through
     ``_compact.compact_adamw_step_``, the specification of every encoding; the others through the fp32 step below.
     """
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masters = (

@@ -21,7 +21,7 @@
 // `flags` are contract.h's group flags; the stats vector has its slots.
 //
 // adamw_update writes grads only when grad_scale is given (the unscaled gradient, DESIGN §2.7).
-// Compact state (DESIGN §9) is told by the dtypes of masters and moments (ops_common.h);
+// Compact state is told by the dtypes of masters and moments (docs/design.md §9, "told by dtypes");
 // rounding_seed (None: round to nearest even) makes the bf16 writes without an exact master
 // stochastic, from a counter-based hash of (seed, list index, element index). moment_scales (None
 // when no tensor has int8 or int4 moments) holds three entries per tensor, the fp32 block scales of

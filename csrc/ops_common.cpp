@@ -60,10 +60,9 @@ void check_moment_layout(const at::Tensor& t, const at::Tensor& param, const cha
 
 const char* codes_name(int32_t kind) { return kind == kMomentInt4 ? "int4" : "int8"; }
 
-// The moment kind of tensor i, told by its exp_avg buffer: float32, bfloat16 (state_dtype=torch.bfloat16),
-// with `int8_ok` int8 codes (state_dtype="int8"), with `int4_ok` uint8 bytes of 4-bit codes
-// (state_dtype="int4"); its exp_avg_sq (and max_exp_avg_sq) must then be of that kind's dtype
-// (exp_avg_sq_dtype_of: uint8 codes for int8 and int4).
+// The moment kind of tensor i, told by its exp_avg buffer's dtype (which dtype means which encoding:
+// docs/design.md §9, "told by dtypes"); int8 and int4 codes only where `int8_ok` / `int4_ok`, and its
+// exp_avg_sq (and max_exp_avg_sq) must then be of that kind's dtype (exp_avg_sq_dtype_of).
 int32_t moment_kind_of(const at::Tensor& exp_avg, const at::Tensor& param, size_t i, bool int8_ok, bool int4_ok) {
   TORCH_CHECK(exp_avg.defined(), "ampfused: exp_avgs[", i, "] is undefined");
   const int32_t kind = exp_avg_kind_of(exp_avg.scalar_type());

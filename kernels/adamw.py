@@ -421,11 +421,9 @@ def adamw_update_(batch, stats: Tensor, *, scratch=None, grad_scale: Tensor | No
     the contract (``batch`` is an ``ampfused._batch.Batch``, read by its fields: this package
     imports nothing of ampfused).
 
-    Compact state (``COMPACT_MODES``; DESIGN §9, the encodings in ``ampfused._compact``) is
-    told by the dtypes (MASTER_KIND_OF_DTYPE): split16 / split8 ``masters[i]`` are split16 / split8 masters of a 16-bit param,
-    bf16 moments, int8 (exp_avg) / uint8 (exp_avg_sq, max_exp_avg_sq) codes, or uint8 int4 codes of
-    all three (two per byte: ``packed_shape``, the param contiguous), whose block scales are
-    ``moment_scales[i]`` = (exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales or None).
+    Compact state (``COMPACT_MODES``) is told by the dtypes of ``masters`` and the moments
+    (docs/design.md §9, "told by dtypes"; read here through MASTER_KIND_OF_DTYPE; int4 codes need the
+    param contiguous), with block scales in ``moment_scales[i]``.
     ``rounding_seed`` (an int) rounds the bf16 writes without an exact master stochastically.
     ``grad_scale`` comes as the caller normalised it (a 1-element fp32 tensor on the params' device).
     ``scratch``: the caller's counters, and a memo of its tables: while it passes the same lists,
