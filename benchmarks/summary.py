@@ -1,15 +1,17 @@
-"""The README's results tables, generated from benchmark runs, and the command that pastes them in.
+"""The results summary's tables (docs/results/summary.md), generated from benchmark runs, and the command
+that pastes them in.
 
 ``python -m ampfused bench`` writes ``bench.csv`` and ``run.json`` (its command, load and wall
 time) to its ``--out``; ``python benchmarks/bench_train.py`` writes ``summary.md`` next to
-``train.md``. To refresh the README after new runs, from a checkout:
+``train.md``. To refresh docs/results/summary.md after new runs, from a checkout:
 
-    python benchmarks/summary.py --bench bench-results --train bench-results/train --readme README.md
+    python benchmarks/summary.py --bench bench-results --train bench-results/train
 
 which replaces what lies between the ``<!-- bench-summary -->`` / ``<!-- train-summary -->``
-markers and their ``<!-- end -->`` lines (and writes the bench table to ``<bench>/summary.md``).
-Numbers in the README come only from a run's output, with its date, machine, command and load, so
-they can be regenerated rather than hand-edited.
+markers and their ``<!-- end -->`` lines of ``--readme`` (default docs/results/summary.md, which
+README.md links to; it also writes the bench table to ``<bench>/summary.md``). Those numbers come
+only from a run's output, with its date, machine, command and load, so they can be regenerated
+rather than hand-edited.
 """
 from __future__ import annotations
 
@@ -125,11 +127,11 @@ def memory_table(rows: list[dict], main: str | None) -> list[str]:
     memory = [r for r in rows if "memory" in r["sweeps"].split("+")]
     if not memory or main is None:
         return []
-    lines = ["", f"Memory modes ([DESIGN §9](docs/design.md#9-compact-state-memory-modes)) on bf16 params, {main}: "
+    lines = ["", f"Memory modes ([DESIGN §9](../design.md#9-compact-state-memory-modes)) on bf16 params, {main}: "
                  "ms per step, median / bytes kept per param between steps (params, master, moments, fp32 gradients; "
                  "measured from the tensors of the model in the case column: its small and 1-d tensors keep fp32 "
                  "moments and a block cut short costs a whole scale, so the int8 rows keep a little more than the "
-                 "two 1024×1024 layers of the Memory table):", "",
+                 "two 1024×1024 layers of README's Memory modes table):", "",
              "| case | provider | ms/step | speed × fp32 masters (their ms ÷ this row's; above 1 is faster) | kept B/param |",
              "|---|---|---:|---:|---:|"]
     by_case: dict[str, dict[str, dict]] = {}
@@ -164,10 +166,11 @@ def replace_block(text: str, marker: str, content: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/summary.py",
-                                     description="paste the tables of benchmark runs into the README")
+                                     description="paste the tables of benchmark runs into the results summary")
     parser.add_argument("--bench", help="output folder of `python -m ampfused bench`")
     parser.add_argument("--train", help="output folder of `python benchmarks/bench_train.py`")
-    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--readme", default="docs/results/summary.md",
+                        help="the markdown file whose marked blocks are replaced (default: %(default)s)")
     args = parser.parse_args(argv)
     if not (args.bench or args.train):
         parser.error("give --bench and/or --train")
