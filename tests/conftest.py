@@ -11,6 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter
+
+    triton_interpreter.install()
 
 from ampfused import _backends  # noqa: E402
 from helpers import DEVICE, available_backends  # noqa: E402

@@ -30,6 +30,10 @@ STARTUP_TIMEOUT = 300.0  # spawning ranks and importing torch: seconds on an idl
 
 def _entry(rank, world, port, backend, fn, args, timeout, stacks_dir):
     os.environ.setdefault("TRITON_INTERPRET", "1" if backend == "gloo" else "0")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        import triton_interpreter
+
+        triton_interpreter.install()
     global _stacks  # kept open for the life of the rank: a fatal signal writes every thread's stack there
     _stacks = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")
     faulthandler.enable(file=_stacks, all_threads=True)
