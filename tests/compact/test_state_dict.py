@@ -11,6 +11,7 @@ import torch
 
 import ampfused
 from ampfused import _compact as C
+from ampfused._contract import packed_shape, scales_shape
 from ampfused.checkpoint import to_torch_state_dict
 from helpers import (DEVICE, OPT_MODES, assert_bitwise_equal, clone_parameters, full_state, opt_params, run_steps, same_bits,
                      snapshot, through_disk)
@@ -32,11 +33,27 @@ def test_state_dict_round_trips_bitwise(backend, master_weights, state_dtype):
         assert opt.state[p].keys() == restored.state[q].keys()
         for key in opt.state[p]:
             same_bits(restored.state[q][key], opt.state[p][key], key)
+    if state_dtype in ("int8", "int4"):  # the codes' layout, and their torch form is the spec's decoding
+        assert_blockwise_layout_and_torch_form(opt.state[params[0]], params[0].shape, state_dtype,
+                                               to_torch_state_dict(saved["opt"], restored_params)["state"][0])
     torch.manual_seed(5)  # one step reads every restored buffer (and the step count)
     run_steps(opt, params, 1, first=10)
     torch.manual_seed(5)
     run_steps(restored, restored_params, 1, first=10)
     assert all(torch.equal(p, q) for p, q in zip(params, restored_params))
+
+
+def assert_blockwise_layout_and_torch_form(state, shape, state_dtype, expanded):
+    """int8 codes have the param's shape, int4 codes are packed two a byte along the last dimension;
+    fp32 block scales; to_torch_state_dict gives the specification's decoding of them."""
+    codes_shape, decode = (tuple(shape), C.dequantize) if state_dtype == "int8" else (packed_shape(shape), C.dequantize4)
+    for key, kind in (("exp_avg", "signed"), ("exp_avg_sq", "sqrt"), ("max_exp_avg_sq", "sqrt")):
+        codes, scales = state[key + "_codes"], state[key + "_scales"]
+        codes_dtype = torch.int8 if (state_dtype, kind) == ("int8", "signed") else torch.uint8
+        assert codes.dtype == codes_dtype and tuple(codes.shape) == codes_shape, (key, codes.dtype, codes.shape)
+        assert scales.dtype == torch.float32 and tuple(scales.shape) == scales_shape(shape), (key, scales.shape)
+        assert expanded[key].dtype == torch.float32 and expanded[key].shape == shape, key
+        assert torch.equal(expanded[key], decode(codes, scales, kind)), key
 
 
 @pytest.mark.parametrize("master_weights,state_dtype", OPT_MODES)
