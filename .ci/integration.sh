@@ -14,7 +14,7 @@ echo "torch==$torch_version" > "$constraints"
 "$python" -c 'import torch, transformers, lightning, accelerate; print("integration: torch", torch.__version__, "transformers", transformers.__version__, "lightning", lightning.__version__, "accelerate", accelerate.__version__)'
 set +e
 # the venv's pytest script, not `python -m pytest`, which would put the checkout ahead of the install
-AMPFUSED_INTEGRATION=1 "$(dirname "$(command -v "$python")")/pytest" tests/integration -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+AMPFUSED_INTEGRATION=1 "$(dirname "$(command -v "$python")")/pytest" tests/integration -q -rs -p no:cacheprovider -n 0 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -ne 0 ]; then
