@@ -92,47 +92,46 @@ def compact_state(opt):
     return [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]]
 
 
-@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
-def test_a_master_stock_adamw_carried_is_not_taken(backend, device, mode, order):
-    model_sd, stock_sd = stock_state_after_training_on(device, backend, mode)
-    with pytest.warns(UserWarning, match="is not float32") as caught:
-        model, opt = resume(device, backend, mode, model_sd, stock_sd, order)
-    assert len([w for w in caught if "master_param" in str(w.message)]) == 1, "one warning per load"
-    params = list(model.parameters())
-    for i, (m, p) in enumerate(zip(masters_of(opt), params)):
-        assert m is not None and torch.equal(m, p.detach().float()), f"param {i}: the master must be the param"
+def test_a_master_stock_adamw_carried_is_not_taken(backend, device, mode):
+    model_sd, stock_sd = stock_state_after_training_on(device, backend, mode)  # one stock run, resumed in each order
+    for order in ORDERS:
+        with pytest.warns(UserWarning, match="is not float32") as caught:
+            model, opt = resume(device, backend, mode, model_sd, stock_sd, order)
+        assert len([w for w in caught if "master_param" in str(w.message)]) == 1, f"{order}: one warning per load"
+        params = list(model.parameters())
+        for i, (m, p) in enumerate(zip(masters_of(opt), params)):
+            assert m is not None and torch.equal(m, p.detach().float()), f"{order}: param {i}: the master must be the param"
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the ordinary torch form (no master) loads silently
-        fresh_model, fresh = resume(device, backend, mode, model_sd, without_masters(stock_sd), order)
-    for opt_, model_ in ((opt, model), (fresh, fresh_model)):
-        train_steps(model_, opt_, 1, first=3 + STOCK_STEPS)
-    for i, (a, b) in enumerate(zip(model.parameters(), fresh_model.parameters())):
-        assert torch.equal(a, b), f"param {i}: the step after the load is not the fresh-master step"
-    for i, (a, b) in enumerate(zip(compact_state(opt), compact_state(fresh))):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(bits(a[key]), bits(b[key])), f"param {i}: {key} differs from the fresh-master step's"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the ordinary torch form (no master) loads silently
+            fresh_model, fresh = resume(device, backend, mode, model_sd, without_masters(stock_sd), order)
+        for opt_, model_ in ((opt, model), (fresh, fresh_model)):
+            train_steps(model_, opt_, 1, first=3 + STOCK_STEPS)
+        for i, (a, b) in enumerate(zip(model.parameters(), fresh_model.parameters())):
+            assert torch.equal(a, b), f"{order}: param {i}: the step after the load is not the fresh-master step"
+        for i, (a, b) in enumerate(zip(compact_state(opt), compact_state(fresh))):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert torch.equal(bits(a[key]), bits(b[key])), f"{order}: param {i}: {key} differs from the fresh-master step's"
 
-    if mode in EXACT_MODES:  # also torch.optim.AdamW on fp32 masters taken from the params
-        fp32 = [torch.nn.Parameter(v.float()) for v in model_sd.values()]  # (Sequential: state-dict order is params order)
-        recipe = torch.optim.AdamW(fp32, **HYPER)
-        recipe.load_state_dict(without_masters(stock_sd))  # fp32 params: torch keeps the moments in fp32
-        x, y = batch_at(3 + STOCK_STEPS, device)
-        twin = small_bf16_model(device)
-        twin.load_state_dict(model_sd)
-        torch.nn.functional.mse_loss(twin(x).float(), y).backward()
-        for q, p in zip(fp32, twin.parameters()):
-            q.grad = p.grad.float()
-        recipe.step()
-        for i, (m, q) in enumerate(zip(masters_of(opt), fp32)):
-            torch.testing.assert_close(m, q.detach(), **tol(backend), msg=f"param {i}: master after the step")
+        if mode in EXACT_MODES:  # also torch.optim.AdamW on fp32 masters taken from the params
+            fp32 = [torch.nn.Parameter(v.float()) for v in model_sd.values()]  # (Sequential: state-dict order is params order)
+            recipe = torch.optim.AdamW(fp32, **HYPER)
+            recipe.load_state_dict(without_masters(stock_sd))  # fp32 params: torch keeps the moments in fp32
+            x, y = batch_at(3 + STOCK_STEPS, device)
+            twin = small_bf16_model(device)
+            twin.load_state_dict(model_sd)
+            torch.nn.functional.mse_loss(twin(x).float(), y).backward()
+            for q, p in zip(fp32, twin.parameters()):
+                q.grad = p.grad.float()
+            recipe.step()
+            for i, (m, q) in enumerate(zip(masters_of(opt), fp32)):
+                torch.testing.assert_close(m, q.detach(), **tol(backend), msg=f"{order}: param {i}: master after the step")
 
 
-@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
-def test_state_loaded_the_ordinary_way_does_not_warn(backend, device, mode, order):
+def test_state_loaded_the_ordinary_way_does_not_warn(backend, device, mode):
     """ampfused's own state dict and its torch form (fp32 masters), each loaded before or after the model."""
     model = small_bf16_model(device)
     opt = ampfused_opt(model, backend, mode)
@@ -143,11 +142,12 @@ def test_state_loaded_the_ordinary_way_does_not_warn(backend, device, mode, orde
     expected = masters_of(opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for what, sd in (("own", own), ("torch form", torch_form)):
-            resumed, loaded = resume(device, backend, mode, model_sd, sd, order)
-            for i, (a, b) in enumerate(zip(masters_of(loaded), expected)):
-                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: master {i} changed"
-            train_steps(resumed, loaded, 1, first=2)
+        for order in ORDERS:
+            for what, sd in (("own", own), ("torch form", torch_form)):
+                resumed, loaded = resume(device, backend, mode, model_sd, sd, order)
+                for i, (a, b) in enumerate(zip(masters_of(loaded), expected)):
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{order}, {what}: master {i} changed"
+                train_steps(resumed, loaded, 1, first=2)
 
 
 @pytest.mark.parametrize("mode", [MODES[0], MODES[1]], ids=MODE_IDS[:2])
