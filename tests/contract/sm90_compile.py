@@ -1,16 +1,26 @@
 """Compile every GPU kernel for sm_90 offline and check what only a GPU would show.
 
-    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md] [--keep DIR]   (exit 1 on a failed rule)
+    python tests/contract/sm90_compile.py [--out docs/results/sm90-kernels.md] [--keep DIR]
+        [--jobs N] [--cache DIR | --no-cache] [--no-cuda]          (exit 1 on a failed rule)
 
+CI runs it as its own step after `pytest tests` (.ci/run), with TRITON_INTERPRET unset.
 No GPU is needed. Triton: a fake active driver reports ``GPUTarget("cuda", 90, 32)`` and every
 kernel launch of the real wrappers (``ampfused.kernels``, called on CPU tensors with the GPU block
-sizes) is turned into ``warmup``: the configurations compiled are exactly those the code launches
-(constexprs, specialization of ints and pointer alignment, num_warps, maxnreg, fp fusion), with
-``EMULATE_FMA=False`` as on a GPU. ptxas (Triton's own, from its wheel) compiles the PTX with
-``-v``; the SASS comes from Triton's cuobjdump. CUDA: ``csrc/cuda/passes.cu`` (ATen-free) with
-``nvcc -arch=sm_90 -Xptxas -v`` when nvcc is found, and the probes of ``sm90_probes.cu``.
+sizes) goes through ``JITFunction.run`` as ``warmup``: the configurations compiled are exactly
+those the code launches (constexprs, specialization of ints and pointer alignment, num_warps,
+maxnreg, fp fusion), with ``EMULATE_FMA=False`` as on a GPU. Triton's ``jit_cache_hook`` takes
+each specialization's data instead of compiling it there; each distinct one is compiled once
+(``JITFunction.preload``) in a pool of ``--jobs`` worker processes (default: every core this
+process may use), beside nvcc's jobs. Triton's ptxas reports with ``-v`` (ptxas runs once per
+specialization); the SASS comes from Triton's cuobjdump. CUDA: ``csrc/cuda/passes.cu``
+(ATen-free) with ``nvcc -arch=sm_90 -Xptxas -v`` when nvcc is found, and the probes of
+``sm90_probes.cu``. What the rules read (PTX, ptxas report, SASS) is cached under ``--cache``
+by a hash of the sources and the specialization ([note: compile cache]); the rules run on every
+run, on cached artifacts as on fresh ones. Each specialization's compile time and the total are printed.
 One source tree: the Triton kernels are imported from this checkout (ROOT, put first on sys.path
 and checked), the same one whose csrc/ nvcc compiles; the script prints which, and the table says it.
+The run fails unless it compiled the stats, update, scaler and accumulate kernels, the int4 update
+variants beside their int8 twins, and, with nvcc, the CUDA update variants and the contraction probes.
 
 Rules (each failure is printed; see [note: rules]):
   flags    no self-subtraction ``sub.f32 x, a, a`` in any PTX; the stats kernel tests the exponent
@@ -37,17 +47,21 @@ Rules (each failure is printed; see [note: rules]):
            with --fmad=false (no product fused into a sum: [note: no contraction] in adamw_math.h),
            and the 1 - lr*wd probe has none at all.
 
-Must run with TRITON_INTERPRET unset (tests/contract/test_sm90_compile.py runs it in a subprocess).
+Must run with TRITON_INTERPRET unset (exit 2 otherwise).
 """
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,23 +221,49 @@ def install_fake_driver():
     triton.runtime.driver.set_active(OfflineSm90())
 
 
-def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
-    import torch
+def enumerate_triton() -> list[dict]:
+    """Every distinct specialization the real wrappers launch, in launch order, none compiled here.
+
+    Each launch goes through ``JITFunction.run`` as warmup (``EMULATE_FMA=False``, as on a CUDA
+    device); Triton's ``jit_cache_hook`` receives what it would compile (the specialization data
+    ``JITFunction.preload`` takes back) and declines the compile. A launch whose Triton key (the
+    specialization of every argument and the options) was met before adds nothing: each distinct
+    specialization is compiled once, by ``compile_one`` in a worker."""
+    from triton import knobs
     from triton.runtime.jit import JITFunction
 
-    compiled = []
+    specs: dict[tuple, dict] = {}
+    launch: dict = {}
+    launches = [0]
     original_run = JITFunction.run
 
     def warmup_instead(self, *args, grid, warmup, **kwargs):
         if "EMULATE_FMA" in kwargs:
             kwargs["EMULATE_FMA"] = False  # what a CUDA device launches
-        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        fused = kwargs.get("enable_fp_fusion", True)
-        compiled.append(dict(name=self.fn.__name__, kernel=kernel, fused=fused,
-                             config=", ".join(f"{k}={v}" for k, v in kwargs.items() if k.isupper())))
-        return kernel
+        launches[0] += 1
+        launch.update(config=", ".join(f"{k}={v}" for k, v in kwargs.items() if k.isupper()),
+                      fused=kwargs.get("enable_fp_fusion", True))
+        return original_run(self, *args, grid=grid, warmup=True, **kwargs)
 
-    JITFunction.run = warmup_instead
+    def record(key, fn, compile, **_):
+        jit = fn.jit_function
+        specs.setdefault((fn.name, str(key)), dict(
+            name=jit.fn.__name__, module=fn.module, qualname=fn.name, source_key=jit.cache_key,
+            data=compile["specialization_data"], **launch))
+        return True  # compiled later, once, in a worker
+
+    JITFunction.run, knobs.runtime.jit_cache_hook = warmup_instead, record
+    try:
+        launch_everything()
+    finally:
+        JITFunction.run, knobs.runtime.jit_cache_hook = original_run, None
+    print(f"triton: {launches[0]} launches, {len(specs)} distinct specializations", flush=True)
+    return list(specs.values())
+
+
+def launch_everything():
+    """The launches of the real wrappers, on CPU tensors with the GPU block sizes."""
+    import torch
     from ampfused._batch import Batch, Hyper
     from ampfused.kernels import _runtime, accumulate, adamw, scaler, stats
 
@@ -248,29 +288,88 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
                               growth_factor=1.5, backoff_factor=0.3, growth_interval=2000, hysteresis=1, min_scale=min_scale)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         accumulate.accumulate_(torch.zeros(1 << 20), torch.zeros(1 << 20, dtype=dtype))
-    JITFunction.run = original_run
 
+
+def triton_cache_key(spec: dict) -> str:
+    """[note: compile cache] Triton's own cache key, less its per-file paths: Triton's build, the
+    kernel's source hash (its own source, every @triton.jit function it calls and the global
+    constexprs it reads, as ``JITFunction.cache_key`` hashes them), the specialization and options,
+    and the tools that made the artifacts."""
+    import triton
+    from triton.runtime.cache import triton_key
+
+    data = spec["data"].replace(str(Path(triton.__file__).parent), "<triton>")  # libdevice's path: not a new virtual environment's
+    return hashlib.sha256("\n".join([CACHE_FORMAT, triton_key(), triton.__version__, spec["qualname"], spec["source_key"],
+                                      data, tool_versions()]).encode()).hexdigest()
+
+
+_DRIVER = [False]
+
+
+def _set_env(name: str, value: str) -> None:  # a worker's initializer
+    os.environ[name] = value
+
+
+def compile_one(spec: dict, cache: Path | None) -> dict:
+    """One specialization (a worker's job): Triton's compile (its ptxas run with ``-v``, whose report
+    is kept: ptxas runs once), the SASS by cuobjdump; the artifacts from the cache when its key is
+    there. The rules read the artifacts afterwards, cached or not."""
+    key = triton_cache_key(spec)
+    if cache is not None and (hit := cache_get(cache / "triton" / key)) is not None:
+        return dict(hit, cached=True, compile_s=0.0, tools_s=0.0)
+    if not _DRIVER[0]:
+        install_fake_driver()
+        _DRIVER[0] = True
+    import contextlib
+    import importlib
+    import io
+
+    from triton import knobs
+
+    jit = importlib.import_module(spec["module"])
+    for part in spec["qualname"].split("."):
+        jit = getattr(jit, part)
+    log = io.StringIO()
+    start = time.perf_counter()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas -v report
+        kernel = jit.preload(spec["data"])
+    compile_s = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        ptxas_log = log.getvalue()
+        if "Used " not in ptxas_log:  # Triton's ptxas did not run or said nothing: run it once more
+            ptx = Path(tmp) / "kernel.ptx"
+            ptx.write_text(kernel.asm["ptx"])
+            ptxas_log = run_tool([tool("ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "scratch.cubin")])
+        sass = run_tool([tool("cuobjdump"), "-sass", str(cubin)])
+    tools_s = time.perf_counter() - start - compile_s
+    out = dict(ptx=kernel.asm["ptx"], ptxas_log=ptxas_log, sass=sass,
+               meta=dict(hash=kernel.hash, num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared,
+                         compile_s=compile_s, tools_s=tools_s))
+    if cache is not None:
+        cache_put(cache / "triton" / key, out)
+    return dict(out, cached=False, compile_s=compile_s, tools_s=tools_s)
+
+
+def analyze_triton(specs: list[dict], artifacts: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rules on every specialization's artifacts, in launch order."""
     rows, problems, seen = [], [], set()
-    ptxas, cuobjdump = tool("ptxas"), tool("cuobjdump")
-    for i, entry in enumerate(compiled):
-        kernel = entry["kernel"]
-        key = (entry["name"], kernel.hash)
+    for i, (entry, art) in enumerate(zip(specs, artifacts)):
+        key = (entry["name"], art["meta"]["hash"])
         if key in seen:
             continue
         seen.add(key)
-        ptx_file, cubin_file = work / f"triton{i}.ptx", work / f"triton{i}.cubin"
-        ptx_file.write_text(kernel.asm["ptx"])
-        cubin_file.write_bytes(kernel.asm["cubin"])
-        info = ptxas_info(run_tool([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", str(work / "scratch.cubin")]))
-        info = next(iter(info.values()))
-        sass = sass_functions(run_tool([cuobjdump, "-sass", str(cubin_file)]))
-        instructions = next(iter(sass.values()))
+        info = next(iter(ptxas_info(art["ptxas_log"]).values()))
+        instructions = next(iter(sass_functions(art["sass"]).values()))
         inner = spills_in_inner_loops(instructions)
-        threads = kernel.metadata.num_warps * 32
-        smem = max(info["smem"], kernel.metadata.shared)
+        threads = art["meta"]["num_warps"] * 32
+        smem = max(info["smem"], art["meta"]["shared"])
         rows.append(dict(kernel=entry["name"], config=entry["config"], threads=threads, **info, smem_total=smem,
-                         inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, smem)))
-        problems += flag_rules(entry["name"], kernel.asm["ptx"], entry["fused"])
+                         inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, smem),
+                         compile_s=art["meta"]["compile_s"]))
+        problems += flag_rules(entry["name"], art["ptx"], entry["fused"])
         problems += [f"{entry['name']} [{entry['config']}]: spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(entry["name"], info["regs"], smem, entry["config"])
         if entry["name"] == "_adamw_update_kernel":
@@ -279,7 +378,7 @@ def compile_triton(work: Path) -> tuple[list[dict], list[str]]:
             problems += [f"{entry['name']} [{entry['config']}]: {p}" for p in vector_problems]
         if KEEP is not None:
             (KEEP / f"triton{i}_{entry['name']}.sass").write_text("\n".join(f"/*{a:04x}*/ {t}" for a, t in instructions))
-            (KEEP / f"triton{i}_{entry['name']}.ptx").write_text(kernel.asm["ptx"])
+            (KEEP / f"triton{i}_{entry['name']}.ptx").write_text(art["ptx"])
     return rows, problems + int4_parity(rows)
 
 
@@ -455,17 +554,53 @@ def load_store_order(instructions: list[tuple[int, str]]) -> list[str]:
             for addr in vector_loads if addr > stores[0]]
 
 
-def compile_cuda(work: Path) -> tuple[list[dict], list[str]]:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return [], []
-    cubin = work / "passes.cubin"
-    keep = work / "keep"
-    keep.mkdir()
-    log = run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-cubin", "--keep",
-               f"--keep-dir={keep}", str(ROOT / "csrc/cuda/passes.cu"), "-o", str(cubin)])
-    sass = sass_functions(run_tool([tool("cuobjdump"), "-sass", str(cubin)]))
-    ptx = "\n".join(p.read_text() for p in keep.glob("*.ptx"))
+def cuda_sources() -> list[Path]:
+    """What nvcc reads: every source under csrc/ and the probes."""
+    return sorted(p for p in (ROOT / "csrc").rglob("*") if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".hpp", ".cpp")) \
+        + [ROOT / "tests/contract/sm90_probes.cu"]
+
+
+def cuda_cache_key(job: str, nvcc: str) -> str:
+    """[note: compile cache] for nvcc: the sources it reads, nvcc's release and path, the job."""
+    digest = hashlib.sha256("\n".join([CACHE_FORMAT, job, run_tool([nvcc, "--version"]), tool_versions()]).encode())
+    for path in cuda_sources():
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def nvcc_job(job: str, nvcc: str, cache: Path | None) -> dict:
+    """One nvcc job (a worker's): ``passes`` (csrc/cuda/passes.cu with ptxas -v and its PTX) or
+    ``probes`` (sm90_probes.cu with and without contraction); the artifacts the rules read, cached."""
+    key = cuda_cache_key(job, nvcc)
+    if cache is not None and (hit := cache_get(cache / "cuda" / key)) is not None:
+        return dict(hit, cached=True, compile_s=0.0)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if job == "passes":
+            cubin, keep = work / "passes.cubin", work / "keep"
+            keep.mkdir()
+            log = run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", "-Xptxas", "-v", "-cubin", "--keep",
+                            f"--keep-dir={keep}", str(ROOT / "csrc/cuda/passes.cu"), "-o", str(cubin)])
+            out = dict(ptxas_log=log, sass=run_tool([tool("cuobjdump"), "-sass", str(cubin)]),
+                       ptx="\n".join(p.read_text() for p in sorted(keep.glob("*.ptx"))))
+        else:
+            out = {}
+            for fmad in ("true", "false"):
+                cubin = work / f"probes_{fmad}.cubin"
+                run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", f"--fmad={fmad}", "-cubin",
+                          str(ROOT / "tests/contract/sm90_probes.cu"), "-o", str(cubin)])
+                out[f"sass_fmad_{fmad}"] = run_tool([tool("cuobjdump"), "-sass", str(cubin)])
+    compile_s = time.perf_counter() - start
+    out["meta"] = dict(compile_s=compile_s)
+    if cache is not None:
+        cache_put(cache / "cuda" / key, out)
+    return dict(out, cached=False, compile_s=compile_s)
+
+
+def analyze_cuda(art: dict) -> tuple[list[dict], list[str]]:
+    log, ptx = art["ptxas_log"], art["ptx"]
+    sass = sass_functions(art["sass"])
     rows, problems = [], []
     for mangled, info in ptxas_info(log).items():
         name = next(n for n in ("scaler_update_kernel", "accumulate_kernel", "update_kernel", "stats_kernel") if n in mangled)
@@ -507,17 +642,11 @@ def compile_cuda(work: Path) -> tuple[list[dict], list[str]]:
     return rows, problems
 
 
-def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str]]:
+def analyze_probes(art: dict) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """[note: contraction probes] FFMA/DFMA per probe kernel, with nvcc's default contraction and without."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return {}, []
     counts = {}
     for fmad in ("true", "false"):
-        cubin = work / f"probes_{fmad}.cubin"
-        run_tool([nvcc, "-arch=sm_90", "-O3", "-std=c++17", f"-I{ROOT / 'csrc'}", f"--fmad={fmad}", "-cubin",
-             str(ROOT / "tests/contract/sm90_probes.cu"), "-o", str(cubin)])
-        for name, instructions in sass_functions(run_tool([tool("cuobjdump"), "-sass", str(cubin)])).items():
+        for name, instructions in sass_functions(art[f"sass_fmad_{fmad}"]).items():
             n = sum(1 for _, t in instructions if re.match(r"(?:@!?P\w+\s+)?[DF]FMA\b", t))
             counts.setdefault(name, [0, 0])[0 if fmad == "true" else 1] = n
     problems = [f"{name}: {a} FFMA/DFMA with nvcc's default contraction, {b} with --fmad=false: a product fused "
@@ -530,6 +659,101 @@ def contraction_probes(work: Path) -> tuple[dict[str, tuple[int, int]], list[str
 
 
 # ------------------------------------------------------------------------------------------ common
+
+# [note: compile cache] An entry holds what the rules read (PTX, ptxas -v report, SASS), never a
+# verdict: every run evaluates every rule on the artifacts, cached or fresh. Its key hashes all that
+# made them (Triton: triton_cache_key; nvcc: cuda_cache_key); CACHE_FORMAT changes with the layout.
+CACHE_FORMAT = "sm90-artifacts-1"
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampfused-sm90"
+
+
+def cache_get(entry: Path) -> dict | None:
+    if not (entry / "meta.json").is_file():
+        return None
+    out = {f.stem: f.read_text() for f in entry.glob("*.txt")}
+    out["meta"] = json.loads((entry / "meta.json").read_text())
+    return out
+
+
+def cache_put(entry: Path, artifacts: dict) -> None:
+    """Written whole into a temporary folder, then renamed into place: a reader sees all of an entry or none."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name[:16]}-", dir=entry.parent))
+    for name, value in artifacts.items():
+        if name != "meta":
+            (tmp / f"{name}.txt").write_text(value)
+    (tmp / "meta.json").write_text(json.dumps(artifacts["meta"]))
+    try:
+        os.rename(tmp, entry)
+    except OSError:  # another run put it there first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def workers(requested: int | None) -> int:
+    if requested:
+        return requested
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def compile_all(specs: list[dict], nvcc: str | None, cache: Path | None, jobs: int) -> tuple[list[dict], dict]:
+    """Every Triton specialization and nvcc job compiled once, ``jobs`` at a time in worker
+    processes (spawned: no forked torch state). The longest jobs go first (the split8, split16 and
+    blockwise update variants), then nvcc's, then the rest. Prints each specialization's time as it ends."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    def weight(i):  # measured (docs/results/sm90-kernels.md): split8 and the every-encoding launch take longest, then int4
+        c = specs[i]["config"] if specs[i]["name"] == "_adamw_update_kernel" else ""
+        return 4 * ("SPLIT8" in c) + 2 * ("SPLIT16" in c) + ("CODE_BITS" in c) + ("CODE_BITS=4" in c) + ("WRITE_GRAD=True" in c) / 2
+
+    order = sorted(range(len(specs)), key=weight, reverse=True)
+    heavy = [i for i in order if weight(i) >= 3]
+    jobs_in_order = [("triton", i) for i in heavy] + [("nvcc", job) for job in (("passes", "probes") if nvcc else ())] \
+        + [("triton", i) for i in order if i not in heavy]
+    artifacts, cuda = [None] * len(specs), {}
+    with tempfile.TemporaryDirectory(prefix="sm90-triton-") as triton_cache, \
+            ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_set_env,
+                                initargs=("TRITON_CACHE_DIR", triton_cache)) as pool:  # no stale Triton cache: a miss compiles
+        futures = {(pool.submit(compile_one, specs[what], cache) if kind == "triton" else
+                    pool.submit(nvcc_job, what, nvcc, cache)): what for kind, what in jobs_in_order}
+        for future in as_completed(futures):
+            what, art = futures[future], future.result()
+            if isinstance(what, str):
+                cuda[what] = art
+                label = "passes.cu (nvcc)" if what == "passes" else "sm90_probes.cu (nvcc, twice)"
+                took = "cached" if art["cached"] else f"{art['compile_s']:.1f} s"
+            else:
+                artifacts[what] = art
+                label = f"{specs[what]['name']} [{specs[what]['config']}]"
+                took = "cached" if art["cached"] else f"{art['compile_s']:.1f} s + ptxas/cuobjdump {art['tools_s']:.1f} s"
+            print(f"  compiled {label}: {took}", flush=True)
+    return artifacts, cuda
+
+
+def time_summary(specs: list[dict], artifacts: list[dict], cuda: dict, jobs: int, wall: float) -> str:
+    fresh = [a for a in artifacts if not a["cached"]]
+    line = (f"compile: {len(specs)} Triton specializations ({len(fresh)} compiled, {len(specs) - len(fresh)} from the cache)"
+            f" and {len(cuda)} nvcc jobs ({sum(not a['cached'] for a in cuda.values())} compiled), {jobs} workers: "
+            f"{wall:.0f} s wall")
+    if fresh:
+        each = sorted(a["compile_s"] + a["tools_s"] for a in fresh)
+        line += (f"; per Triton specialization (compile incl. ptxas + cuobjdump, one core): median {each[len(each) // 2]:.1f} s, "
+                 f"mean {sum(each) / len(each):.1f} s, max {each[-1]:.1f} s, sum {sum(each):.0f} s")
+        for name in sorted({s["name"] for s in specs}):
+            mine = [a["compile_s"] for s, a in zip(specs, artifacts) if s["name"] == name and not a["cached"]]
+            if mine:
+                line += f"\n  {name}: {len(mine)} compiled, Triton compile {sum(mine) / len(mine):.1f} s each (max {max(mine):.1f} s)"
+    for job, art in sorted(cuda.items()):
+        if not art["cached"]:
+            line += f"\n  nvcc {job}: {art['compile_s']:.1f} s"
+    return line
+
 
 def budget_problems(name, regs, smem, config):
     max_regs, max_smem = BUDGET[name]
@@ -552,6 +776,12 @@ def tool(name: str) -> str:
     return str(path)
 
 
+@functools.lru_cache(maxsize=None)
+def tool_versions() -> str:
+    """ptxas and cuobjdump by their releases (not their paths: a new virtual environment is no new compiler)."""
+    return "\n".join(run_tool([tool(name), "--version"]) for name in ("ptxas", "cuobjdump"))
+
+
 def run_tool(cmd: list[str]) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
@@ -560,12 +790,15 @@ def run_tool(cmd: list[str]) -> str:
 
 
 def report_table(rows: list[dict]) -> str:
-    lines = ["| kernel | config | threads | regs | spill st/ld (B) | stack (B) | smem (B) | spills in hot loops | blocks/SM | occupancy |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """One row per compiled kernel; ``compile (s)``: Triton's compile of the specialization (ptxas
+    included), measured when it was compiled (a cached row keeps the time of the run that made it)."""
+    lines = ["| kernel | config | threads | regs | spill st/ld (B) | stack (B) | smem (B) | spills in hot loops | blocks/SM "
+             "| occupancy | compile (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         blocks, occ = r["occupancy"]
+        took = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
         lines.append(f"| {r['kernel']} | {r['config']} | {r['threads']} | {r['regs']} | {r['spill_stores']}/{r['spill_loads']} "
-                     f"| {r['stack']} | {r['smem_total']} | {r['inner_spills']} | {blocks} | {occ:.0%} |")
+                     f"| {r['stack']} | {r['smem_total']} | {r['inner_spills']} | {blocks} | {occ:.0%} | {took} |")
     return "\n".join(lines)
 
 
@@ -639,10 +872,15 @@ def source_tree() -> str:
 
 
 def main() -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the table as markdown here")
     parser.add_argument("--no-cuda", action="store_true", help="skip passes.cu even when nvcc is found")
     parser.add_argument("--keep", type=Path, help="write each Triton kernel's PTX and SASS into this folder")
+    parser.add_argument("--jobs", type=int, help="worker processes (default: the cores this process may use)")
+    parser.add_argument("--cache", type=Path, default=default_cache(),
+                        help="compiled artifacts by source hash ([note: compile cache]; default: %(default)s)")
+    parser.add_argument("--no-cache", action="store_true", help="compile everything, read and write no cache")
     args = parser.parse_args()
     global KEEP
     KEEP = args.keep
@@ -651,16 +889,31 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the offline compile needs the GPU code path", file=sys.stderr)
         return 2
+    try:
+        tool("ptxas"), tool("cuobjdump")
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"the sm90 check needs Triton with its NVIDIA backend tools: {exc}", file=sys.stderr)
+        return 2
+    cache = None if args.no_cache else args.cache
     install_fake_driver()
-    tree = source_tree()
+    try:
+        tree = source_tree()
+    except RuntimeError as exc:
+        print("FAIL:", exc)
+        return 1
     print(f"source tree: {ROOT} ({tree}): kernels for Triton, csrc/ for nvcc", flush=True)
+    specs = enumerate_triton()
+    nvcc = None if args.no_cuda else find_nvcc()
+    jobs = workers(args.jobs)
+    compile_start = time.perf_counter()
+    artifacts, cuda = compile_all(specs, nvcc, cache, jobs)
+    summary = time_summary(specs, artifacts, cuda, jobs, time.perf_counter() - compile_start)
+    rows, problems = analyze_triton(specs, artifacts)
     probes = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        rows, problems = compile_triton(Path(tmp))
-        if not args.no_cuda:
-            cuda_rows, cuda_problems = compile_cuda(Path(tmp))
-            probes, probe_problems = contraction_probes(Path(tmp))
-            rows, problems = rows + cuda_rows, problems + cuda_problems + probe_problems
+    if nvcc is not None:
+        cuda_rows, cuda_problems = analyze_cuda(cuda["passes"])
+        probes, probe_problems = analyze_probes(cuda["probes"])
+        rows, problems = rows + cuda_rows, problems + cuda_problems + probe_problems
     text = report_table(rows)
     if vectors := vector_table(rows):
         text += "\n\n" + vectors
@@ -669,7 +922,9 @@ def main() -> int:
     extra = cuda_tables(rows, probes)
     if extra:
         text += "\n\n" + extra
+    problems += completeness(rows, parity, extra, probes, nvcc)
     print(text)
+    print(summary)
     for p in problems:
         print("FAIL:", p)
     if args.out:
@@ -682,8 +937,38 @@ def main() -> int:
             f"One source tree for both compilers: the checkout ({tree}), its kernels for Triton and its csrc/ for nvcc. "
             "Occupancy is computed from registers, threads and shared memory for an H100/H200 SM "
             "(65536 registers, 64 warps, 32 blocks, 228 KB). Budgets and rules: the docstring of the script.\n\n"
-            + text + "\n\n" + ("All rules pass.\n" if not problems else "\n".join(f"- FAIL: {p}" for p in problems) + "\n"))
+            + text + "\n\nCompile times (this run, " + machine() + "):\n\n```\n" + summary + "\n```\n\n"
+            + ("All rules pass.\n" if not problems else "\n".join(f"- FAIL: {p}" for p in problems) + "\n"))
+    print(f"sm90 check: {'FAILED, ' + str(len(problems)) + ' problems' if problems else 'every rule passes'} "
+          f"({time.perf_counter() - started:.0f} s)")
     return 1 if problems else 0
+
+
+def machine() -> str:
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+    return f"{os.cpu_count()} cores of {cpu}, load average at the end {load}"
+
+
+def completeness(rows: list[dict], parity: str, cuda: str, probes: dict, nvcc: str | None) -> list[str]:
+    """What the check must have seen to mean anything (the run fails without it): the stats and update
+    kernels, the int4 variants beside their int8 twins, and with nvcc the CUDA kernels and probes."""
+    problems = []
+    kernels = {r["kernel"] for r in rows}
+    for name in ("_grad_stats_kernel", "_adamw_update_kernel", "_scaler_update_kernel", "_accumulate_kernel"):
+        if name not in kernels:
+            problems.append(f"{name}: not compiled (the launches did not reach it)")
+    if not parity:
+        problems.append("no int4-moment update variant compiled beside its int8 twin (int4 moments against int8)")
+    if nvcc is not None:
+        if "est. share of HBM bandwidth" not in cuda:
+            problems.append("passes.cu: no CUDA update variant in the bytes-in-flight table")
+        if "probe_scalars_decay" not in probes:
+            problems.append("sm90_probes.cu: the contraction probes were not compiled")
+    return problems
 
 
 if __name__ == "__main__":
