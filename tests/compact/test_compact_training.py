@@ -102,6 +102,7 @@ LOSSY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("master_weights,state_dtype,stochastic,dtype,rtol", LOSSY,
                          ids=[f"{a}-{b}-{'sr' if c else 'rne'}-{d}".replace("torch.", "")
                               for a, b, c, d, _ in (getattr(row, "values", row) for row in LOSSY)])

@@ -188,6 +188,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_gpu_without_one():
     """The GPU code path, compiled for sm_90 on any machine (Triton ships ptxas): CI without a GPU
     still catches what the interpreter accepts but the compiler refuses, and the update kernel's

@@ -180,7 +180,9 @@ def _interchange_worker(rank, world, root, state_dtype):
     every_master_mode_into_stock(rank, root, state_dtype)
 
 
-@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, pytest.param("int8", id="int8"), pytest.param("int4", id="int4")],
+@pytest.mark.parametrize("state_dtype", [None, pytest.param(torch.bfloat16, marks=pytest.mark.slow),
+                                         pytest.param("int8", id="int8", marks=pytest.mark.slow),
+                                         pytest.param("int4", id="int4", marks=pytest.mark.slow)],
                          ids=["fp32-moments", "bf16-moments", "int8-moments", "int4-moments"])
 def test_stock_and_fused_dcp_checkpoints_load_into_each_other_in_every_mode(tmp_path, state_dtype):
     run(_interchange_worker, 2, str(tmp_path), state_dtype, timeout=240)
