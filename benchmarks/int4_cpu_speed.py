@@ -6,7 +6,7 @@ too: ``FusedAmpAdamW(backend="cpu", state_dtype="int4")`` against the same optim
 ``state_dtype="int8"`` and, where torchao is installed, torchao's ``AdamW4bit(bf16_stochastic_round=True)``
 on copies of the same tensors. The steps are timed side by side in interleaved bursts
 (``ampfused.bench.measure.interleaved``, medians), on an idle machine and then with one spinning
-process on every core (``ampfused.bench.busy.spinners``, as DataLoader workers keep them busy).
+process on every core (``benchmarks/busy.py``'s ``spinners``, as DataLoader workers keep them busy).
 Targets: the int4 step takes at most 1.1x the int8 step and is at least 5x faster than AdamW4bit.
 
     python benchmarks/int4_cpu_speed.py [--params 4M] [--row 1024] [--split16] [--no-busy]
@@ -21,8 +21,11 @@ import time
 import torch
 
 import ampfused
-from ampfused.bench import busy, cli, measure
+from ampfused.bench import cli, measure
 from ampfused.bench.environment import Load, cpu_isa, cpu_model, loadavg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however this file is loaded
+import busy  # noqa: E402
 
 INT8_RATIO_TARGET, TORCHAO_TARGET = 1.1, 5.0
 BUDGET = measure.Budget(min_s=1.0, max_s=6.0, min_samples=10, rounds=10, cap_s=90.0)

@@ -20,40 +20,44 @@ from .. import _gpu_advice
 from . import cli, configs, measure, providers, report
 from .environment import Load, LoadWindows, environment, overlapping_load, pick_threads
 
-# per timed function and case: seconds of its own measured time (at least, at most while noisy), samples at least.
-# CPU: at most 0.3 s while noisy, as on a loaded machine most timings stay noisy to the end anyway.
+# per timed function and case: seconds of its own time (at least; at most while noisy), calls, rounds and
+# calls per round (at least); a round's value is its burst's mean (measure.interleaved; benchmarks/README.md §1)
 BUDGETS = {
     "quick": measure.Budget(0.02, 0.1, min_samples=5, rounds=5),
-    "cpu": measure.Budget(0.1, 0.3, min_samples=10),
-    "gpu": measure.Budget(0.1, 1.0, min_samples=10),
+    "cpu": measure.Budget(0.1, 0.4, min_samples=10, rounds=12, burst=3),
+    "gpu": measure.Budget(0.1, 1.0, min_samples=10, rounds=10, burst=3),
 }
+TRAIN_COMMAND = "python benchmarks/bench_train.py"
+BUSY_COMMAND = "python benchmarks/busy.py"
+UNTIMED_NOTE = "gate passed; the oracle is not timed (--backends naming it times it)"
+STUB_NOTE = ("Triton kernels not launched (ampfused.kernels.host_only): host time only, not gated "
+             "(tests/ check the kernels in the interpreter)")
+MODE_GATE_NUMEL = 1_000_000
+BIG_CPU_CASE = 20_000_000  # params: above it a CPU case leaves out torch-foreach and the untimed oracle
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ampfused bench", description=__doc__.split("\n\n")[0],
-                                     epilog=f"the end-to-end training benchmark runs from a checkout: {TRAIN_COMMAND}")
-    parser.add_argument("--out", default="bench-results", help="output folder (default: bench-results/)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    parser.add_argument("--quick", action="store_true", help="~30 s smoke run on small sizes (used by the tests)")
-    parser.add_argument("--plan", choices=sorted(configs.PLANS), default=None,
-                        help="sizes to run (default: quick with --quick, else gpu or cpu by device)")
-    parser.add_argument("--sweeps", type=cli.choice_list(configs.SWEEPS), default=configs.SWEEPS,
-                        help=f"comma list of: {', '.join(configs.SWEEPS)} (default: all)")
-    parser.add_argument("--sizes", type=cli.size_list, default=None, help="override the size sweep, e.g. 1M,10M,100M,1B (the memory sweep takes the largest)")
     from ampfused import _backends
 
-    parser.add_argument("--backends", type=cli.choice_list(_backends.BACKEND_NAMES), default=None,
-                        help="comma list of ampfused backends (default: every backend available on the device)")
-    parser.add_argument("--triton-interpreter", action="store_true",
-                        help="on CPU, also run the Triton backend through the (very slow) Triton interpreter")
-    parser.add_argument("--threads", type=cli.positive_int, default=None,
-                        help="CPU threads (default: the cores other processes leave free, measured at the start)")
-    parser.add_argument("--gate-steps", type=cli.positive_int, default=2,
-                        help="steps compared with stock torch-fused (default 2)")
-    parser.add_argument("--max-spread", type=cli.fraction, default=None,
-                        help="p20-p80 spread over the median above which a timing is unstable (default 0.15)")
-    parser.add_argument("--strict", action="store_true", help="exit with status 3 when any timing is unstable")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m ampfused bench", description=__doc__.split("\n\n")[0],
+                                     epilog=f"from a checkout: the end-to-end training benchmark {TRAIN_COMMAND}, "
+                                            f"the busy-cores study {BUSY_COMMAND}")
+    add = parser.add_argument
+    add("--out", default="bench-results", help="output folder (default: bench-results/)")
+    add("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    add("--quick", action="store_true", help="~30 s smoke run on small sizes (used by the tests)")
+    add("--plan", choices=sorted(configs.PLANS), help="sizes to run (default: quick with --quick, else gpu or cpu by device)")
+    add("--sweeps", type=cli.choice_list(configs.SWEEPS), default=configs.SWEEPS,
+        help=f"comma list of: {', '.join(configs.SWEEPS)} (default: all)")
+    add("--sizes", type=cli.size_list, help="override the size sweep, e.g. 1M,10M,100M,1B (the memory sweep takes the largest)")
+    add("--backends", type=cli.choice_list(_backends.BACKEND_NAMES),
+        help="comma list of ampfused backends (default: every backend available on the device)")
+    add("--triton-interpreter", action="store_true", help="on CPU, also run the Triton backend through the (very slow) Triton interpreter")
+    add("--threads", type=cli.positive_int, help="CPU threads (default: the cores other processes leave free, measured at the start)")
+    add("--gate-steps", type=cli.positive_int, default=2, help="steps compared with stock torch-fused (default 2)")
+    add("--max-spread", type=cli.fraction, help="p20-p80 spread over the median above which a timing is unstable (default 0.15)")
+    add("--strict", action="store_true", help="exit with status 3 when any timing is unstable")
+    add("--seed", type=int, default=0)
     return parser
 
 
@@ -61,10 +65,9 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     """(backends to benchmark, {backend: why it is not benchmarked})."""
     from ampfused import _backends
 
-    names = list(requested) if requested else list(_backends.BACKEND_NAMES)
     no_gpu = device.type == "cpu" and not _gpu_advice.machine_has_gpu()
     chosen, skipped = [], {}
-    for name in names:
+    for name in list(requested) if requested else list(_backends.BACKEND_NAMES):
         if device.type == "cpu" and name == "triton" and not (interpreter or requested):
             skipped[name] = ((_gpu_advice.no_gpu_reason(name) if no_gpu else _gpu_advice.INTERPRETER)
                              + " (--triton-interpreter runs it anyway)")
@@ -78,20 +81,6 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
     return chosen, skipped
 
 
-MODE_GATE_NUMEL = 1_000_000
-
-
-def gated(name, case, data, args, device) -> dict:
-    """The results of provider ``name`` after the gate's steps on ``case`` (built and dropped here)."""
-    provider = providers.make(name, case, data, device)
-    torch.manual_seed(args.seed)  # stochastic rounding draws each step's seed from torch's generator: the same for both twins
-    try:
-        gate_steps(provider, args, device)
-        return provider.results()
-    finally:
-        provider.close()
-
-
 def gate_steps(provider, args, device) -> None:
     """The steps whose results the gate compares."""
     for _ in range(args.gate_steps):
@@ -101,14 +90,27 @@ def gate_steps(provider, args, device) -> None:
         torch.cuda.synchronize()
 
 
-def gate(provider, name, args, device, expected, case=None, data=None):
+def _copy(results) -> dict:
+    return {k: [t.detach().clone() for t in v] for k, v in results.items()}
+
+
+def gated(name, case, args, device) -> dict:
+    """The results of provider ``name`` after the gate's steps on ``case`` (built and dropped here)."""
+    provider = providers.make(name, case, providers.CaseData(case, device, args.seed), device)
+    torch.manual_seed(args.seed)  # stochastic rounding draws each step's seed from torch's generator: the same for both twins
+    try:
+        gate_steps(provider, args, device)
+        return _copy(provider.results())
+    finally:
+        provider.close()
+
+
+def gate(provider, name, args, device, expected, case=None):
     """Check a provider that ran ``gate_steps``: (mismatch description or "", fp32 weights if this is the reference)."""
     if name == "torch-fused":  # built first: the reference of the gate
-        return "", {k: [t.detach().clone() for t in v] for k, v in provider.results().items()}
-    if expected is None and name != "ampfused-reference":
-        return "no reference: stock torch-fused failed on this case", None
-    if expected is None:  # the memory-mode gate's own oracle run
-        return "", None
+        return "", _copy(provider.results())
+    if expected is None:
+        return ("" if name == "ampfused-reference" else "no reference: stock torch-fused failed on this case"), None
     mode = providers.memory_mode(name)
     if mode is None:
         return measure.compare(provider.results(), expected), None
@@ -118,102 +120,10 @@ def gate(provider, name, args, device, expected, case=None, data=None):
     # twins take the case's shapes scaled to at most MODE_GATE_NUMEL params (benchmarks/README.md §1).
     shapes = configs.shape_set(case.shapes.family, min(case.shapes.numel, MODE_GATE_NUMEL))
     unclipped = configs.Case(case.sweeps, shapes, dataclasses.replace(case.config, clip=False))
-    twin_data = providers.CaseData(unclipped, device, args.seed)
-    got, want = ({k: [t.detach().clone() for t in v] for k, v in gated(n, unclipped, twin_data, args, device).items()}
-                 for n in (name, f"ampfused-reference{providers.MODE}{mode}"))
-    mismatch = measure.compare(got, want)
+    mismatch = measure.compare(*(gated(n, unclipped, args, device) for n in (name, f"ampfused-reference{providers.MODE}{mode}")))
     if not mismatch and mode == "split16":
         mismatch = measure.compare(provider.results(), expected)
     return (f"vs ampfused-reference@{mode}: {mismatch}" if mismatch else ""), None
-
-
-def run_case(case, names, device, args, budget, env, progress, untimed=()) -> list[dict]:
-    """Gate every provider, then time the ones that passed (but ``untimed``) interleaved; one row per provider."""
-    data = providers.CaseData(case, device, args.seed)
-    rows = {name: report.base_row(env, case, name) for name in names}
-    live, expected = {}, None
-    stub = case.host and device.type == "cpu" and "ampfused-triton" in names
-    progress.describe(f"{case.config.name} {case.shapes.family} {configs.human(case.shapes.numel)}")
-    for name in names:  # built one after the other, so peak memory is each one's own increment
-        row = rows[name]
-        memory = measure.PeakMemory(device)
-        memory.start()
-        provider = None
-        try:
-            provider = providers.make(name, case, data, device)
-            if stub and name == "ampfused-triton":  # the interpreter would take minutes at 2000 tensors
-                with host_only(True):
-                    provider.step()
-                peak = memory.peak()
-                mismatch, reference = "", None
-            else:
-                gate_steps(provider, args, device)
-                peak = memory.peak()  # the provider's own, before the gate builds its oracle twin
-                mismatch, reference = gate(provider, name, args, device, expected, case, data)
-            expected = reference if reference is not None else expected
-            detail = f"gate: {mismatch}" if mismatch else ""
-        except Exception as exc:  # a crashing provider is a failed provider, the others still run
-            detail = f"{type(exc).__name__}: {exc}"
-        if detail:
-            row.update(status="FAILED", detail=detail)
-            if provider is not None:
-                provider.close()
-            continue
-        kept = provider.state_bytes()
-        row.update(peak_mem_mb=peak / 2**20, state_mb=kept / 2**20, kept_bytes_per_param=kept / case.shapes.numel)
-        if name in untimed:  # the oracle beside a compiled backend
-            row.update(status="untimed", detail=UNTIMED_NOTE)
-            provider.close()
-            continue
-        live[name] = provider
-    fns = {name: p.step for name, p in live.items()}
-    # the roofline stream of a row touches as many bytes as the row's provider keeps (its working
-    # set), so that the last-level cache holds the same share of both (benchmarks/README.md §1)
-    stream_of = {} if case.host else {n: measure.stream_key(live[n].state_bytes()) for n in live}
-    copies = {key: measure.DeviceCopy.over_working_set(key, device) for key in dict.fromkeys(stream_of.values())}
-    for key, copy in copies.items():
-        fns[f"copy {key:g}"] = copy.fn
-    load = LoadWindows().start()
-    with host_only(stub and "ampfused-triton" in live):
-        timings = measure.interleaved(fns, device, budget, host=case.host, on_round=load.tick)
-    other, other_peak = load.stop()
-    # a timing that load from other processes overlapped is marked in its own row (a CUDA
-    # device timing is not the CPU's: only CPU and host timings are)
-    overlap = overlapping_load(other, other_peak, args.threads) if device.type == "cpu" or case.host else ""
-    for name, provider in live.items():
-        row, timing = rows[name], timings[name]
-        if timing.error:
-            row.update(status="FAILED", detail=timing.error)
-        elif not measure.all_finite(provider.results()):
-            row.update(status="FAILED", detail="non-finite weights after the timed steps")
-        else:
-            row.update(status="ok", median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms,
-                       samples=timing.samples, unstable=timing.unstable, timer="host" if case.host else "device",
-                       other_cores=other, other_cores_peak=other_peak)
-            if overlap:
-                row["unstable"] = "; ".join(filter(None, (overlap, row["unstable"])))
-            if stub and name == "ampfused-triton":
-                row["detail"] = STUB_NOTE
-            key = stream_of.get(name)
-            copy = timings.get(f"copy {key:g}") if key is not None else None
-            if copy is not None and not copy.error:
-                row["roofline_gbps"] = copies[key].gbps(copy)
-                row["working_set_mb"] = copies[key].working_set / 2**20
-                row["roofline_from"] = f"a += b over {row['working_set_mb']:.0f} MiB"
-                if copy.unstable and not row["unstable"]:
-                    row["unstable"] = f"roofline stream: {copy.unstable}"
-        provider.close()
-    copies.clear()
-    progress.update(len(names))
-    out = [rows[n] for n in names]
-    report.add_derived(out)
-    return out
-
-
-TRAIN_COMMAND = "python benchmarks/bench_train.py"
-UNTIMED_NOTE = "gate passed; the oracle is not timed (--backends naming it times it)"
-STUB_NOTE = ("Triton kernels not launched (ampfused.kernels.host_only): host time only, not gated "
-             "(tests/ check the kernels in the interpreter)")
 
 
 def host_only(active: bool):
@@ -226,21 +136,102 @@ def host_only(active: bool):
     return kernels.host_only()
 
 
-def warm_up(names, device) -> None:
-    """One untimed step of every provider on a tiny case: lazy initialisation stays out of the first row."""
-    for config in (configs.FP32_CLIP, configs.BF16_X4_CLIP):
-        case = configs.Case(("warm-up",), configs.shape_set("few-large", 4096), config)
-        data = providers.CaseData(case, device)
-        for name in names:
+def build_and_gate(case, names, device, args, rows, untimed) -> dict:
+    """Build and gate every provider of ``case`` in turn (so peak memory is each one's own increment):
+    {name: provider} of those that passed and are timed; the others' rows say why not."""
+    data = providers.CaseData(case, device, args.seed)
+    live, expected = {}, None
+    stub = case.host and device.type == "cpu"
+    for name in names:
+        memory, provider = measure.PeakMemory(device), None
+        memory.start()
+        try:
+            provider = providers.make(name, case, data, device)
+            if stub and name == "ampfused-triton":  # the interpreter would take minutes at 2000 tensors
+                with host_only(True):
+                    provider.step()
+                peak, mismatch, reference = memory.peak(), "", None
+            else:
+                gate_steps(provider, args, device)
+                peak = memory.peak()  # the provider's own, before the gate builds its oracle twin
+                mismatch, reference = gate(provider, name, args, device, expected, case)
+            expected = reference if reference is not None else expected
+            detail = f"gate: {mismatch}" if mismatch else ""
+        except Exception as exc:  # a crashing provider is a failed provider, the others still run
+            detail = f"{type(exc).__name__}: {exc}"
+        if detail:
+            rows[name].update(status="FAILED", detail=detail)
+        else:
+            kept = provider.state_bytes()
+            rows[name].update(peak_mem_mb=peak / 2**20, state_mb=kept / 2**20, kept_bytes_per_param=kept / case.shapes.numel)
+            if name not in untimed:
+                live[name] = provider
+                continue
+            rows[name].update(status="untimed", detail=UNTIMED_NOTE)  # the oracle beside a compiled backend
+        if provider is not None:
+            provider.close()
+    return live
+
+
+def run_case(case, names, device, args, budget, env, progress, untimed=()) -> list[dict]:
+    """Gate every provider, then time the ones that passed (but ``untimed``) interleaved; one row per provider."""
+    rows = {name: report.base_row(env, case, name) for name in names}
+    progress.describe(f"{case.config.name} {case.shapes.family} {configs.human(case.shapes.numel)}")
+    live = build_and_gate(case, names, device, args, rows, untimed)
+    stub = case.host and device.type == "cpu" and "ampfused-triton" in live
+    fns = {name: p.step for name, p in live.items()}
+    # the roofline stream of a row touches as many bytes as the row's provider keeps (its working
+    # set), so that the last-level cache holds the same share of both (benchmarks/README.md §1)
+    stream_of = {} if case.host else {n: measure.stream_key(live[n].state_bytes()) for n in live}
+    copies = {key: measure.DeviceCopy.over_working_set(key, device) for key in dict.fromkeys(stream_of.values())}
+    fns.update({f"copy {key:g}": copy.fn for key, copy in copies.items()})
+    load = LoadWindows().start()
+    with host_only(stub):
+        timings = measure.interleaved(fns, device, budget, host=case.host, on_round=load.tick)
+    other, other_peak = load.stop()
+    # a timing that load from other processes overlapped is marked in its own row (a CUDA
+    # device timing is not the CPU's: only CPU and host timings are)
+    overlap = overlapping_load(other, other_peak, args.threads) if device.type == "cpu" or case.host else ""
+    for name, provider in live.items():
+        row, timing = rows[name], timings[name]
+        if timing.error or not measure.all_finite(provider.results()):
+            row.update(status="FAILED", detail=timing.error or "non-finite weights after the timed steps")
+            provider.close()
+            continue
+        row.update(status="ok", median_ms=timing.median_ms, p20_ms=timing.p20_ms, p80_ms=timing.p80_ms,
+                   samples=timing.samples, unstable="; ".join(filter(None, (overlap, timing.unstable))),
+                   timer="host" if case.host else "device", _timing=timing, other_cores=other, other_cores_peak=other_peak)
+        if stub and name == "ampfused-triton":
+            row["detail"] = STUB_NOTE
+        key = stream_of.get(name)
+        copy = timings.get(f"copy {key:g}") if key is not None else None
+        if copy is not None and not copy.error:
+            row.update(roofline_gbps=copies[key].gbps(copy), working_set_mb=copies[key].working_set / 2**20)
+            row["roofline_from"] = f"a += b over {row['working_set_mb']:.0f} MiB"
+            if copy.unstable and not row["unstable"]:
+                row["unstable"] = f"roofline stream: {copy.unstable}"
+        provider.close()
+    copies.clear()
+    progress.update(len(names))
+    out = [rows[n] for n in names]
+    report.add_derived(out)
+    return out
+
+
+def warm_up(cases, names, device) -> None:
+    """One untimed step of every provider on a tiny case of a configuration it runs in (so no provider
+    meets a case it does not apply to): lazy initialisation stays out of the first row."""
+    done = set()
+    for case in cases:
+        tiny = configs.Case(case.sweeps, configs.shape_set("few-large", 4096), case.config)
+        for name in [n for n in case_providers(case, names, device) if n not in done]:
+            done.add(name)
             try:
-                provider = providers.make(name, case, data, device)
+                provider = providers.make(name, tiny, providers.CaseData(tiny, device), device)
                 provider.step()
                 provider.close()
             except Exception:  # reported properly by the real run
                 pass
-
-
-BIG_CPU_CASE = 20_000_000  # params: above it a CPU case leaves out torch-foreach and the untimed oracle
 
 
 def case_providers(case, names, device) -> list[str]:
@@ -259,8 +250,10 @@ def case_providers(case, names, device) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     parser = build_parser()
-    if argv[:1] == ["train"]:
-        parser.error(f"the end-to-end training benchmark is not installed; from a checkout: {TRAIN_COMMAND}")
+    moved = {"train": f"the end-to-end training benchmark is not installed; from a checkout: {TRAIN_COMMAND}",
+             "busy": f"the busy-cores study is not installed; from a checkout: {BUSY_COMMAND}"}
+    if argv[:1] and argv[0] in moved:
+        parser.error(moved[argv[0]])
     args = parser.parse_args(argv)
     if args.triton_interpreter:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before ampfused.kernels is first imported
@@ -275,13 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     threads_line, untrusted = "", ""
     if device.type == "cpu":  # arguments checked: now measure the machine and change the process
         args.threads, threads_line, untrusted = pick_threads(args.threads)
+        torch.set_flush_denormal(True)  # the synthesized gradients shrink while timed (providers.py)
     args.threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
-    if device.type == "cpu":
-        torch.set_flush_denormal(True)  # the synthesized gradients shrink while timed (providers.py)
-    budget = BUDGETS[plan_name]
-    if args.max_spread is not None:
-        budget = dataclasses.replace(budget, max_spread=args.max_spread)
+    budget = dataclasses.replace(BUDGETS[plan_name], max_spread=args.max_spread or BUDGETS[plan_name].max_spread)
 
     cases = configs.plan(plan_name, args.sweeps, args.sizes)
     names = ["torch-fused", "torch-foreach"] + [f"ampfused-{b}" for b in backends]
@@ -294,36 +284,32 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device, args.threads)
     env.update(plan=plan_name, command=" ".join(["python -m ampfused bench", *argv]), untrusted=untrusted,
                threads_choice=threads_line)
-    print(f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "
-          f"(torch {env['torch']}, triton {env['triton']})")
-    if threads_line:
-        print(threads_line)
-    if untrusted:
-        print(f"WARNING: {untrusted}")
-    print(f"ampfused backends: {', '.join(backends) or 'none'}" +
-          "".join(f"\n  not benchmarked: {k}: {v}" for k, v in skipped.items()))
-    if device.type == "cpu" and set(skipped) & set(_gpu_advice.GPU_BACKENDS) and not _gpu_advice.machine_has_gpu():
-        print(_gpu_advice.no_gpu_note())
-    if "host" in args.sweeps and device.type == "cpu" and "triton" in backends:
-        print(f"host sweep, ampfused-triton: {STUB_NOTE}")
+    lines = [f"ampfused bench: {len(cases)} cases x {len(names)} providers on {env['hardware']} "
+             f"(torch {env['torch']}, triton {env['triton']})", threads_line, untrusted and f"WARNING: {untrusted}",
+             f"ampfused backends: {', '.join(backends) or 'none'}", *(f"  not benchmarked: {k}: {v}" for k, v in skipped.items()),
+             device.type == "cpu" and set(skipped) & set(_gpu_advice.GPU_BACKENDS) and not _gpu_advice.machine_has_gpu()
+             and _gpu_advice.no_gpu_note(),
+             "host" in args.sweeps and device.type == "cpu" and "triton" in backends and f"host sweep, ampfused-triton: {STUB_NOTE}"]
+    print("\n".join(line for line in lines if line))
 
-    rows = []
-    started = time.perf_counter()
-    load = Load().start()
-    warm_up(names, device)
+    rows, started, load = [], time.perf_counter(), Load().start()
+    warm_up(cases, names, device)
     progress = cli.Progress(sum(len(case_providers(c, names, device)) for c in cases), unit="run")
     try:
         for case in cases:
             rows += run_case(case, case_providers(case, names, device), device, args, budget, env, progress, untimed)
     finally:
         progress.close()
-    other = load.stop()
+    other, cores = load.stop(), len(os.sched_getaffinity(0))
     env.update(other_cores=f"{other:.2f}", loadavg_after=load.loadavg_after, wall_s=f"{time.perf_counter() - started:.0f}")
-    if device.type == "cpu" and not env["untrusted"] and other > len(os.sched_getaffinity(0)) - args.threads + 0.5:
+    if device.type == "cpu" and not env["untrusted"] and other > cores - args.threads + 0.5:
         env["untrusted"] = (f"other processes kept {other:.2f} cores busy during the run, more than the "
-                            f"{len(os.sched_getaffinity(0)) - args.threads} left beside {args.threads} thread(s): "
-                            "the timings are not to be trusted")
+                            f"{cores - args.threads} left beside {args.threads} thread(s): the timings are not to be trusted")
+    return finish(rows, env, backends, skipped, budget, args)
 
+
+def finish(rows, env, backends, skipped, budget, args) -> int:
+    """Write the outputs, print the tables and the verdicts; the exit status."""
     os.makedirs(args.out, exist_ok=True)
     paths, plot_problem = report.write_all(rows, env, backends, skipped, budget, args.out)
     print(report.markdown_summary(rows))

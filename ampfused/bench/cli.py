@@ -44,24 +44,21 @@ def choice_list(choices) -> callable:
     return parse
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
+def _number(kind, least: float, rule: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value >= least or (kind is float and value == least):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {rule}")
+        return value
+
+    return parse
 
 
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
-    return value
+positive_int = _number(int, 1, "at least 1")
+fraction = _number(float, 0.0, "above 0")
 
 
 def pick_device(parser: argparse.ArgumentParser, requested: str | None) -> torch.device:
@@ -80,24 +77,24 @@ class Progress:
         try:
             from tqdm import tqdm
         except ImportError:
-            self.bar, self.total, self.done = None, total, 0
+            self.bar, self.done = None, 0
         else:
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
-        self.text = ""
+        self.total, self.text = total, ""
 
     def describe(self, text: str) -> None:
+        self.text = text
         if self.bar is not None:
             self.bar.set_postfix_str(text)
-        self.text = text
 
     def update(self, n: int = 1) -> None:
-        if self.bar is not None:
-            if self.bar.total is not None and self.bar.n + n > self.bar.total:  # more rounds than planned
-                self.bar.total = self.bar.n + n
-            self.bar.update(n)
+        if self.bar is None:
+            self.done += n
+            print(f"[{self.done}/{self.total}] {self.text}", file=sys.stderr, flush=True)
             return
-        self.done += n
-        print(f"[{self.done}/{self.total}] {self.text}", file=sys.stderr, flush=True)
+        if self.bar.total is not None and self.bar.n + n > self.bar.total:  # more rounds than planned
+            self.bar.total = self.bar.n + n
+        self.bar.update(n)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -32,15 +32,9 @@ class StepConfig:
 
     @property
     def name(self) -> str:
-        parts = [self.param_dtype]
-        if self.param_dtype != "fp32":
-            parts.append(f"x{self.micro_batches}")
-        if self.loss_scaling:
-            parts.append("scaled")
-        parts.append("clip" if self.clip else "noclip")
-        if self.fresh_grads:
-            parts.append("fresh-grads")
-        return "-".join(parts)
+        parts = [self.param_dtype, self.low_precision and f"x{self.micro_batches}", self.loss_scaling and "scaled",
+                 "clip" if self.clip else "noclip", self.fresh_grads and "fresh-grads"]
+        return "-".join(p for p in parts if p)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -53,13 +47,8 @@ class StepConfig:
 
 def all_configs() -> list[StepConfig]:
     """fp32 (autocast AMP with a scaler); bf16 and fp16 params with N in {1, 4}; each with and without clipping."""
-    configs = []
-    for clip in (True, False):
-        configs.append(StepConfig("fp32", 1, True, clip))
-        for dtype, scaled in (("bf16", False), ("fp16", True)):
-            for n in (1, 4):
-                configs.append(StepConfig(dtype, n, scaled, clip))
-    return configs
+    return [c for clip in (True, False) for c in [StepConfig("fp32", 1, True, clip)] + [
+        StepConfig(dtype, n, scaled, clip) for dtype, scaled in (("bf16", False), ("fp16", True)) for n in (1, 4)]]
 
 
 FP32_CLIP = StepConfig("fp32", 1, True, True)
@@ -117,11 +106,9 @@ def shape_set(family: str, total: int) -> ShapeSet:
 
 
 def human(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            value = n / div
-            return f"{value:.0f}{unit}" if value >= 10 or value == int(value) else f"{value:.1f}{unit}"
-    return str(int(n))
+    unit, div = next(((u, d) for u, d in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= d), ("", 1))
+    value = n / div
+    return f"{value:.0f}{unit}" if value >= 10 or value == int(value) else f"{value:.1f}{unit}"
 
 
 # ---------------------------------------------------------------- sweeps

@@ -21,33 +21,21 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        hardware = cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "") + f", {cpu_isa()}"
-    return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": device.type,
-        "hardware": hardware,
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "ampfused": ampfused.__version__,
-        "python": platform.python_version(),
-        "threads": str(threads),
-        "loadavg": loadavg(),
-    }
+    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                cpu_model() + f", {threads} thread" + ("s" if threads != 1 else "") + f", {cpu_isa()}")
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device.type, "hardware": hardware,
+            "torch": torch.__version__, "triton": triton_version, "ampfused": ampfused.__version__,
+            "python": platform.python_version(), "threads": str(threads), "loadavg": loadavg()}
 
 
 PROBE_S = 1.0  # how long pick_threads watches the machine before the run
 
 
 def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float | None = None) -> tuple[int, str, str]:
-    """(threads, the header line that says why, "" or why the timings are not to be trusted).
-
-    Unless ``requested``: the cores other processes left free over ``probe_s`` (rounded up from 0.7
-    of a core), at least one; more threads than free cores time the neighbours, not the step (the
-    default run on 2 cores with one busy took 16 minutes; benchmarks/README.md §1, "Metrics").
-    """
+    """(threads, the header line that says why, "" or why the timings are not to be trusted). Unless
+    ``requested``: the cores other processes left free over ``probe_s`` (rounded up from 0.7 of a
+    core), at least one; more threads than free cores time the neighbours, not the step (the default
+    run on 2 cores with one busy took 16 minutes; benchmarks/README.md §1, "Metrics")."""
     cores = len(os.sched_getaffinity(0))
     if other is None:
         load = Load().start()
@@ -58,8 +46,7 @@ def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float |
     free = max(0.0, min(cores, (os.cpu_count() or cores) - other))
     seen = f"other processes kept {other:.2f} of {os.cpu_count()} cores busy in the {probe_s:g} s before the start"
     threads = requested or max(1, min(cores, math.floor(free + 0.3)))
-    why = "--threads" if requested else "the free cores; --threads N to choose"
-    line = f"threads: {threads} of {cores} cores ({why}); {seen}"
+    line = f"threads: {threads} of {cores} cores ({'--threads' if requested else 'the free cores; --threads N to choose'}); {seen}"
     if threads < cores and not requested:
         # ampfused gains more from extra threads than torch does: an idle default run's speedups are larger
         line += f"; these ratios are {threads}-thread ones: compare them with `--threads {threads}` runs, not with an idle default run"
@@ -75,16 +62,16 @@ def cpu_isa() -> str:
     """Which ISA variant of the compiled CPU loops runs (AMPFUSED_CPU_ISA forces one)."""
     from ampfused import _compiled
 
-    module, why = _compiled.load()
+    module, _ = _compiled.load()
     return f"ampfused._C ISA {module.CPU_ISA}" if module is not None else "no ampfused._C"
 
 
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        model = fields.get("Model name", platform.processor()).strip()
-        return f"{model} ({fields.get('CPU(s)', '?').strip()} CPUs, L3 {fields.get('L3 cache', '?').strip()})"
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+        return (f"{fields.get('Model name', platform.processor())} ({fields.get('CPU(s)', '?')} CPUs, "
+                f"L3 {fields.get('L3 cache', '?')})")
     except (OSError, subprocess.SubprocessError, ValueError):
         return platform.processor() or platform.machine()
 
@@ -96,16 +83,13 @@ def loadavg() -> str:
 class Load:
     """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``: the machine's busy
     jiffies (/proc/stat) minus this process's own (/proc/self/stat) over the elapsed ones, 1.0 for one
-    core busy the whole time (the load average cannot tell our threads from others'). NaN without /proc.
-    """
+    core busy the whole time (the load average cannot tell our threads from others'). NaN without /proc."""
 
     def __init__(self):
-        self.begin = None
-        self.loadavg_before = self.loadavg_after = "?"
+        self.begin, self.loadavg_before, self.loadavg_after = None, "?", "?"
 
     def start(self) -> "Load":
-        self.loadavg_before = loadavg()
-        self.begin = _sample()
+        self.loadavg_before, self.begin = loadavg(), _sample()
         return self
 
     def stop(self) -> float:
@@ -114,59 +98,53 @@ class Load:
 
     @staticmethod
     def other_cores(begin, end) -> float:
-        if begin is None or end is None:
+        if begin is None or end is None or end[1] <= begin[1]:
             return float("nan")
         (busy0, total0, own0), (busy1, total1, own1) = begin, end
         elapsed = (total1 - total0) / max(os.cpu_count() or 1, 1)  # jiffies of wall time
-        if elapsed <= 0:
-            return float("nan")
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
 
 
 class LoadWindows:
-    """:class:`Load` over a timed block, also in windows of at least ``window_s`` (``tick()`` between
-    timed calls closes one when it is long enough): the average says how loaded the block was, the
-    peak window catches a burst from another process that the average dilutes. Windows are not
-    shorter because /proc/stat counts in jiffies (10 ms): a 0.1 s window of 2 cores would read
-    busy cores to ±0.1."""
+    """:class:`Load` over a timed block, also in windows of at least ``window_s`` (``tick()`` between timed
+    calls closes one when it is long enough): the average says how loaded the block was, the busiest
+    window catches a burst that the average dilutes. /proc/stat counts in jiffies (10 ms): a 0.1 s
+    window of 2 cores would read busy cores to ±0.1."""
 
     def __init__(self, window_s: float = 0.5, clock=time.monotonic):
-        self.window_s, self.clock = window_s, clock
-        self.total, self.windows = Load(), []
-        self._window_begin, self._window_start = None, 0.0
+        self.window_s, self.clock, self.total, self.windows = window_s, clock, Load(), []
+        self._begin, self._start = None, 0.0
 
     def start(self) -> "LoadWindows":
         self.total.start()
-        self._window_begin, self._window_start = _sample(), self.clock()
+        self._begin, self._start = _sample(), self.clock()
         return self
 
     def tick(self) -> None:
-        if self.clock() - self._window_start >= self.window_s:
+        if self.clock() - self._start >= self.window_s:
             self._close_window()
 
     def _close_window(self) -> None:
         end = _sample()
-        other = Load.other_cores(self._window_begin, end)
+        other = Load.other_cores(self._begin, end)
         if other == other:  # not NaN
             self.windows.append(other)
-        self._window_begin, self._window_start = end, self.clock()
+        self._begin, self._start = end, self.clock()
 
     def stop(self) -> tuple[float, float]:
         """(average other cores over the block, the busiest window's; NaN without /proc)."""
-        if self.clock() - self._window_start >= self.window_s / 2 or not self.windows:
+        if self.clock() - self._start >= self.window_s / 2 or not self.windows:
             self._close_window()
         average = self.total.stop()
         return average, max(self.windows, default=average)
 
 
 def overlapping_load(average: float, peak: float, threads: int, margin: float = 0.25) -> str:
-    """Why a timing overlapped load from other processes, or "": other processes kept busy more than
-    the cores ``threads`` leave free (plus ``margin``, the noise of an idle machine), on average or
-    in the busiest window."""
+    """Why a timing overlapped load from other processes, or "": other processes kept busy more than the
+    cores ``threads`` leave free (plus ``margin``, an idle machine's noise), on average or in the busiest window."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    free = max(cores - threads, 0)
     worst = max(average, peak)
-    if worst != worst or worst <= free + margin:  # NaN: not measurable, not marked
+    if worst != worst or worst <= max(cores - threads, 0) + margin:  # NaN: not measurable, not marked
         return ""
     return (f"other processes kept {average:.2f} cores busy on average, {peak:.2f} at peak, "
             f"while {threads} thread(s) ran on {cores} cores")
@@ -179,8 +157,8 @@ def _sample():
             fields = [int(x) for x in f.readline().split()[1:]]
         with open("/proc/self/stat") as f:
             own = f.read().rsplit(")", 1)[1].split()
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         return total - idle, total, int(own[11]) + int(own[12])  # utime + stime
     except (OSError, ValueError, IndexError):
         return None

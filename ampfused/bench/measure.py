@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -13,24 +13,27 @@ import torch
 
 @dataclass
 class Timing:
+    """ms per call: median and p20/p80 over the interleaved rounds' values (a round's value is the mean
+    of its burst of calls) or, from :func:`summarize`, over single calls."""
+
     median_ms: float
     p20_ms: float
     p80_ms: float
-    samples: int
+    samples: int  # calls timed
     unstable: str = ""  # why this timing should not be trusted; "" when it is stable
     error: str = ""  # the function raised: "Type: message" (no timing then)
+    rounds: list = field(default_factory=list)  # the per-round values, in round order (interleaved())
 
     @property
-    def spread(self) -> float:
-        """(p80 - p20) / median."""
+    def spread(self) -> float:  # (p80 - p20) / median
         return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else math.inf
 
 
 @dataclass
 class Budget:
-    """Per timed function: at least ``min_samples`` calls and ``min_s`` seconds of its own measured
-    time, in ``rounds`` interleaved rounds; measuring goes on (up to ``max_s`` per function) while
-    a spread is above ``max_spread``."""
+    """Per timed function: at least ``min_samples`` calls and ``min_s`` seconds of its own time, in at
+    least ``rounds`` interleaved rounds of at least ``burst`` calls each; measuring goes on (up to
+    ``max_s`` per function) while a spread is above ``max_spread``."""
 
     min_s: float
     max_s: float
@@ -38,105 +41,105 @@ class Budget:
     max_spread: float = 0.15
     rounds: int = 10
     cap_s: float = 120.0  # per case: the minimums give way only here (a runaway slow provider)
+    burst: int = 1
 
 
-def summarize(times_ms: list[float], budget: Budget) -> Timing:
+def quantiles(values) -> tuple[float, float, float]:
+    """(median, p20, p80), linear interpolation between the closest ranks (numpy's default), in float64."""
+    return tuple(torch.tensor(values, dtype=torch.float64).quantile(
+        torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).tolist())
+
+
+def summarize(times_ms: list[float], budget: Budget, samples: int | None = None) -> Timing:
+    """The Timing of ``times_ms`` (single calls, or per-round values of ``samples`` calls in all)."""
     if not times_ms:
         return Timing(math.nan, math.nan, math.nan, 0, unstable="no samples")
-    # linear interpolation between the closest ranks (numpy's default), in float64
-    median, p20, p80 = torch.tensor(times_ms, dtype=torch.float64).quantile(
-        torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).tolist()
-    t = Timing(median, p20, p80, len(times_ms))
+    t = Timing(*quantiles(times_ms), samples if samples is not None else len(times_ms))
     if t.samples < budget.min_samples:
         t.unstable = f"{t.samples} samples < {budget.min_samples}"
+    elif len(times_ms) < min(budget.rounds, budget.min_samples):
+        t.unstable = f"{len(times_ms)} rounds < {min(budget.rounds, budget.min_samples)}"
     elif t.spread > budget.max_spread:
         t.unstable = f"p20-p80 spread {100 * t.spread:.0f}% > {100 * budget.max_spread:.0f}%"
     return t
 
 
-class _CallTimer:
-    """Times one call of ``fn`` in ms: perf_counter (CPU, host mode) or CUDA events (GPU device time)."""
+def ratio(num: Timing, den: Timing) -> tuple[float, float, float]:
+    """(median, p20, p80) of num / den round by round (the two were timed in the same rounds)."""
+    pairs = [a / b for a, b in zip(num.rounds, den.rounds) if b > 0]
+    return quantiles(pairs) if pairs else (math.nan,) * 3
 
-    def __init__(self, device: torch.device, host: bool, clock: Callable[[], float]):
-        self.cuda = device.type == "cuda"
-        self.host, self.clock = host, clock
-        self.flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if self.cuda and not host else None
-        self.pending: list = []
 
-    def call(self, fn, sink: list) -> None:
-        if self.cuda and self.host:
-            torch.cuda.synchronize()
-        if self.flush is not None:
-            self.flush.zero_()  # 256 MiB: no step starts with its operands in L2
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+def _burst_timer(device: torch.device, host: bool, clock: Callable[[], float]):
+    """burst(fn, calls) -> ms of each call: perf_counter (CPU, host mode: the device synchronized before
+    each call, not inside it) or CUDA events (GPU device time, L2 flushed before each call)."""
+    cuda = device.type == "cuda"
+    flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if cuda and not host else None
+
+    def burst(fn, calls: int) -> list[float]:
+        times, events = [], []
+        for _ in range(calls):
+            if flush is not None:
+                flush.zero_()  # 256 MiB: no step starts with its operands in L2
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+                fn()
+                events[-1][1].record()
+                continue
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = clock()
             fn()
-            end.record()
-            self.pending.append((start, end, sink))
-            return
-        t0 = self.clock()
-        fn()
-        sink.append((self.clock() - t0) * 1e3)
-
-    def finish(self) -> None:
-        """Collect the CUDA-event times recorded since the last finish (one synchronize per burst)."""
-        if self.pending:
+            times.append((clock() - t0) * 1e3)
+        if events:
             torch.cuda.synchronize()
-            for start, end, sink in self.pending:
-                sink.append(start.elapsed_time(end))
-            self.pending.clear()
+        return times + [start.elapsed_time(end) for start, end in events]
+
+    return burst
 
 
 def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget: Budget, *, host: bool = False,
                 clock: Callable[[], float] = time.perf_counter, on_round: Callable[[], None] | None = None
                 ) -> dict[str, Timing]:
     """Time every function of ``fns`` in alternating bursts, so machine load, clock changes and thermal
-    drift hit all of them alike (the rules: benchmarks/README.md §1, "Metrics"); ``on_round`` is
-    called after every round (a progress bar). One untimed call of each sets its burst length, so a
-    slow function and a fast one both reach their minimum in about ``rounds`` rounds. A function
+    drift hit all of them alike; ``on_round`` is called after every round. One untimed call of each
+    sets its burst length, so a slow function and a fast one reach their minimums in about ``rounds``
+    rounds. A round's value is its burst's mean, and every function has one per round, so two of them
+    compare round by round (:func:`ratio`; the rules: benchmarks/README.md §1, "Metrics"). A function
     that raises leaves the rotation and is reported with ``error``."""
-    timer = _CallTimer(device, host, clock)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    errors: dict[str, str] = {}
-    burst: dict[str, int] = {}
+    burst_of = _burst_timer(device, host, clock)
+    rounds: dict[str, list[float]] = {name: [] for name in fns}
+    calls, errors, burst = {name: 0 for name in fns}, {}, {}
     for name, fn in fns.items():  # calibration (and a warm-up after whatever ran before)
-        probe: list[float] = []
         try:
-            timer.call(fn, probe)
-            timer.finish()
+            t_s = max(burst_of(fn, 1)[0], 1e-6) * 1e-3
+            burst[name] = max(budget.burst, math.ceil(max(budget.min_samples, budget.min_s / t_s) / budget.rounds))
         except Exception as exc:  # noqa: BLE001 -- a crashing provider is a failed provider
             errors[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        t_s = max(probe[0], 1e-6) * 1e-3
-        burst[name] = max(1, math.ceil(max(budget.min_samples, budget.min_s / t_s) / budget.rounds))
-    own_s = {name: 0.0 for name in burst}
     begin = clock()
     deadline, cap = begin + budget.max_s * max(len(burst), 1), begin + budget.cap_s
-    rounds = 0
     while burst:
         for name in list(burst):
             try:
-                for _ in range(burst[name]):
-                    timer.call(fns[name], samples[name])
-                timer.finish()
+                times = burst_of(fns[name], burst[name])
             except Exception as exc:  # noqa: BLE001
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 del burst[name]
-                timer.pending.clear()
-        rounds += 1
+                continue
+            rounds[name].append(sum(times) / len(times))
+            calls[name] += len(times)
         if on_round is not None:
             on_round()
-        for name in burst:
-            own_s[name] = sum(samples[name]) * 1e-3
-        enough = rounds >= budget.rounds and all(
-            len(samples[n]) >= budget.min_samples and own_s[n] >= budget.min_s for n in burst)
-        if enough and all(not summarize(samples[n], budget).unstable for n in burst):
+        enough = all(len(rounds[k]) >= budget.rounds and calls[k] >= budget.min_samples and
+                     sum(rounds[k]) * burst[k] * 1e-3 >= budget.min_s for k in burst)
+        if enough and all(not summarize(rounds[k], budget, calls[k]).unstable for k in burst):
             break
-        now = clock()
-        if (enough and now >= deadline) or now >= cap:
+        if (enough and clock() >= deadline) or clock() >= cap:
             break  # out of time: what is still noisy (or short) is reported as unstable
-    out = {name: summarize(ts, budget) for name, ts in samples.items() if name not in errors}
-    out.update({name: Timing(math.nan, math.nan, math.nan, 0, error=err) for name, err in errors.items()})
+    out = {name: Timing(math.nan, math.nan, math.nan, 0, error=err) for name, err in errors.items()}
+    for name in (n for n in fns if n not in errors):
+        out[name] = summarize(rounds[name], budget, calls[name])
+        out[name].rounds = rounds[name]
     return out
 
 
@@ -144,22 +147,17 @@ COPY_CAP_BYTES = 4 << 30
 
 
 class DeviceCopy:
-    """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (read a and b, write a),
-    in place as AdamW updates (why not ``copy_``: benchmarks/README.md §1, "Metrics"). Capped at
-    COPY_CAP_BYTES, where bandwidth is long flat, so a 1B-param case needs no more device memory.
-
-    :meth:`over_working_set` sizes it by the memory it touches instead (a and b together): a
-    stream over fewer bytes than a step's working set keeps more of them in the last-level cache
-    and flatters the step, over more bytes it shortchanges it.
-    """
+    """The practical roofline: ``a += b`` over fp32 buffers (read a and b, write a), in place as AdamW
+    updates; not ``copy_``: benchmarks/README.md §1, "Metrics". :meth:`over_working_set` sizes it by
+    the memory a step touches (a stream over fewer bytes keeps more of them in the last-level cache
+    and flatters the step), capped at COPY_CAP_BYTES moved, where bandwidth is long flat."""
 
     @classmethod
     def over_working_set(cls, working_set_bytes: float, device: torch.device) -> "DeviceCopy":
         return cls(1.5 * working_set_bytes, device)  # a and b of W/2 each: a sweep moves 3 x W/2
 
     def __init__(self, nbytes: float, device: torch.device):
-        moved = int(min(nbytes, COPY_CAP_BYTES))
-        n = max(moved // 12, 1)  # fp32 elements per buffer: 3 x 4 bytes per element
+        n = max(int(min(nbytes, COPY_CAP_BYTES)) // 12, 1)  # fp32 elements per buffer: 3 x 4 bytes per element
         self.a = torch.ones(n, device=device)
         self.b = torch.full((n,), 1e-30, device=device)  # a stays 1.0: no denormals, no overflow
         self.moved = 3 * n * 4
@@ -177,9 +175,7 @@ class DeviceCopy:
 
 def stream_key(working_set_bytes: float) -> float:
     """Working sets within a few percent share one roofline stream (two significant digits)."""
-    if working_set_bytes <= 0:
-        return 0.0
-    return float(f"{working_set_bytes:.2g}")
+    return float(f"{working_set_bytes:.2g}") if working_set_bytes > 0 else 0.0
 
 
 class PeakMemory:
@@ -187,8 +183,7 @@ class PeakMemory:
     the peak resident set (VmHWM, reset through /proc/self/clear_refs; NaN without /proc)."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.base = 0
+        self.device, self.base = device, 0
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -199,23 +194,18 @@ class PeakMemory:
         try:
             import ctypes
 
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # (freed heap back to the system: RSS starts from what is live)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             self.base = _proc_status_kb("VmRSS") * 1024
-        except OSError:
+        except (OSError, AttributeError):
             self.base = None
 
     def peak(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return float(torch.cuda.max_memory_allocated() - self.base)
-        if self.base is None:
-            return float("nan")
-        return float(_proc_status_kb("VmHWM") * 1024 - self.base)
+        return float("nan") if self.base is None else float(_proc_status_kb("VmHWM") * 1024 - self.base)
 
 
 def _proc_status_kb(key: str) -> int:
@@ -228,14 +218,12 @@ def _proc_status_kb(key: str) -> int:
 
 # ---------------------------------------------------------------- correctness
 
+TOLERANCES = {torch.bfloat16: (2.0**-7, 1e-6), torch.float16: (2.0**-10, 1e-6)}  # one rounding step (1 ulp)
+
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol): fp32 as the tests use; low precision allows one rounding step (1 ulp) of difference."""
-    if dtype == torch.bfloat16:
-        return 2.0**-7, 1e-6
-    if dtype == torch.float16:
-        return 2.0**-10, 1e-6
-    return 1e-5, 1e-6
+    return TOLERANCES.get(dtype, (1e-5, 1e-6))
 
 
 def compare(results: dict[str, list], expected: dict[str, list], against: str = "stock") -> str:
@@ -267,26 +255,19 @@ def _same(a, b) -> bool:
 
 
 def storage_bytes(tensors, exclude=()) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once), minus ``exclude``'s."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-    for t in _plain(tensors):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _plain(tensors):
-    """The plain tensors holding ``tensors``' data: a wrapper subclass (a peer's quantized optimizer state,
-    e.g. torchao's ``OptimState4bit``) reports its logical size as its storage, so its inner tensors count."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once), minus
+    ``exclude``'s. A wrapper subclass (a peer's quantized state, e.g. torchao's ``OptimState4bit``)
+    reports its logical size as its storage, so its inner tensors count."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    for t in tensors:
+    skip, seen, todo = {t.untyped_storage().data_ptr() for t in exclude}, {}, list(tensors)
+    while todo:
+        t = todo.pop()
         if is_traceable_wrapper_subclass(t):
-            yield from _plain(getattr(t, name) for name in t.__tensor_flatten__()[0])
-        else:
-            yield t
+            todo += [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+        elif t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def all_finite(results: dict[str, list]) -> bool:

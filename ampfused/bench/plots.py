@@ -1,8 +1,6 @@
 """PNG plots of the optimizer-step benchmark (matplotlib; ``report.write_all`` skips them without it).
-
 Every bar or point carries the p20-p80 spread of its timing as an error bar; ratios are drawn on a
-log axis around a 1.0 line, so 2x faster and 2x slower look alike; unstable timings get a dagger.
-"""
+log axis around a 1.0 line, so 2x faster and 2x slower look alike; unstable timings get a dagger."""
 from __future__ import annotations
 
 import os
@@ -13,18 +11,38 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
+from .configs import MEMORY_MODES  # noqa: E402
+from .providers import KEEP_SCALED, MODE  # noqa: E402
+
 KEY = ("case names: fp32 / bf16 / fp16 = param dtype · x1 / x4 = micro-batches accumulated in fp32 · "
        "scaled = GradScaler on · clip = global-norm clipping at 1.0, noclip = none")
-COLORS = {"torch-fused": "#4c72b0", "torch-foreach": "#8c8c8c", "ampfused-cuda": "#dd8452", "ampfused-triton": "#c44e52",
-          "ampfused-cpu": "#dd8452", "ampfused-reference": "#55a868"}
+# One fixed style per provider, the same in every plot: a colour each for the stock paths, the backends,
+# each backend's keep_scaled_grads row (also hatched, diamond markers) and each memory mode (dotted
+# hatch, square markers).
+COLORS = {"torch-fused": "#1f77b4", "torch-foreach": "#7f7f7f", "ampfused-cpu": "#ff7f0e", "ampfused-cuda": "#d62728",
+          "ampfused-triton": "#9467bd", "ampfused-reference": "#2ca02c"}
+KEEP_COLORS = {"ampfused-cpu": "#ffbb78", "ampfused-cuda": "#ff9896", "ampfused-triton": "#c5b0d5",
+               "ampfused-reference": "#98df8a"}
+MODE_COLORS = dict(zip(MEMORY_MODES, ("#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939", "#e7ba52",
+                                      "#843c39", "#7b4173", "#000000")))
+
+
+def style(name: str) -> dict:
+    """{color, hatch, marker} of provider ``name``."""
+    base, _, mode = name.partition(MODE)
+    if mode:
+        return dict(color=MODE_COLORS.get(mode, "#000000"), hatch="..", marker="s")
+    if base.endswith(KEEP_SCALED):
+        return dict(color=KEEP_COLORS.get(base.removesuffix(KEEP_SCALED), "#000000"), hatch="//", marker="D")
+    return dict(color=COLORS.get(base, "#000000"), hatch=None, marker="o")
 
 
 def _ok(rows, sweep):
     return [r for r in rows if sweep in r["sweeps"].split("+") and r["status"] == "ok"]
 
 
-def _providers(rows):
-    return list(dict.fromkeys(r["provider"] for r in rows))
+def _names(rows, key="provider"):
+    return list(dict.fromkeys(r[key] for r in rows))
 
 
 def _log_ticks(axis, locator=None):
@@ -48,24 +66,19 @@ def _legend_beside(ax):
     ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
-def _bars(ax, groups, names, value, err, dagger):
-    """Grouped bars on a log axis: value(group, name) -> float or None; err -> (lo, hi) absolute; dagger -> bool."""
+def _bars(ax, groups, names, cell, value, err):
+    """Grouped bars on a log axis: cell[(group, name)] -> row; value(row) -> float; err(row) -> (lo, hi)
+    absolute; a dagger marks an unstable row."""
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
-        xs, ys, lo, hi, marks = [], [], [], [], []
-        for g, group in enumerate(groups):
-            y = value(group, name)
-            if y is None:
-                continue
-            a, b = err(group, name)
-            xs.append(g - 0.4 + width * (i + 0.5))
-            ys.append(y)
-            lo.append(max(y - a, 0))
-            hi.append(max(b - y, 0))
-            marks.append(dagger(group, name))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=COLORS.get(name), error_kw={"linewidth": 0.8})
-        for x, y, mark in zip(xs, ys, marks):
-            if mark:
+        bars = [(g - 0.4 + width * (i + 0.5), cell[(group, name)]) for g, group in enumerate(groups) if (group, name) in cell]
+        ys = [value(r) for _, r in bars]
+        lo, hi = zip(*((max(y - err(r)[0], 0), max(err(r)[1] - y, 0)) for y, (_, r) in zip(ys, bars))) if bars else ((), ())
+        look = style(name)
+        ax.bar([x for x, _ in bars], ys, width, yerr=[lo, hi], capsize=2, label=name, color=look["color"],
+               hatch=look["hatch"], edgecolor="white", linewidth=0, error_kw={"linewidth": 0.8})
+        for (x, r), y in zip(bars, ys):
+            if r["unstable"]:
                 ax.annotate("†", (x, y), xytext=(4, 1), textcoords="offset points", ha="left", va="bottom", fontsize=8)
     ax.set_xticks(range(len(groups)), [g.replace("-", "\n") for g in groups], fontsize=7.5)
     ax.set_yscale("log")
@@ -73,40 +86,37 @@ def _bars(ax, groups, names, value, err, dagger):
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
+def _ms(r):
+    return r["median_ms"]
+
+
+def _ms_err(r):
+    return r["p20_ms"], r["p80_ms"]
+
+
 def plot_configs(rows, path) -> bool:
     subset = _ok(rows, "configs")
     if not subset:
         return False
     cell = {(r["config"], r["provider"]): r for r in subset}
-    groups = list(dict.fromkeys(r["config"] for r in subset))
-    names = _providers(subset)
-    others = [n for n in names if n != "torch-fused"]
+    groups, names = _names(subset, "config"), _names(subset)
     # stacked: one x axis of names; 2.6 inches more on the right for the legends
-    fig, (left, right) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(groups)) + 2.6, 8.5))
-
-    def speedup(g, n):
-        r, f = cell.get((g, n)), cell.get((g, "torch-fused"))
-        return f["median_ms"] / r["median_ms"] if r and f else None
-
-    def speedup_err(g, n):
-        r, f = cell[(g, n)], cell[(g, "torch-fused")]
-        return f["p20_ms"] / r["p80_ms"], f["p80_ms"] / r["p20_ms"]
-
-    def unstable(g, n):
-        return bool(cell.get((g, n), {}).get("unstable"))
-
-    _bars(left, groups, others, speedup, speedup_err, unstable)
-    left.axhline(1.0, color="black", linewidth=1)
-    left.set_ylabel("speedup over torch AdamW(fused=True)\n(log scale; > 1 = faster)")
-    left.set_title("speedup (error bars: p20–p80 of both timings)", fontsize=9)
-    _legend_beside(left)
-    _bars(right, groups, names, lambda g, n: cell[(g, n)]["median_ms"] if (g, n) in cell else None,
-          lambda g, n: (cell[(g, n)]["p20_ms"], cell[(g, n)]["p80_ms"]), unstable)
-    right.set_ylabel("ms per step (log scale)")
-    right.set_title("absolute time (median, p20–p80)", fontsize=9)
-    _legend_beside(right)
-    shapes = subset[0]["case"].split(" on ", 1)[-1]
-    _finish(fig, path, f"Optimizer step, every configuration, {shapes}", subset[0]["hardware"], KEY + " · † unstable timing")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(groups)) + 2.6, 8.5))
+    fused = {g: cell[(g, "torch-fused")] for g in groups if (g, "torch-fused") in cell}
+    versus = {k: r for k, r in cell.items() if k[0] in fused}  # (the table's speedup: of round-by-round ratios)
+    _bars(top, groups, [n for n in names if n != "torch-fused"], versus,
+          lambda r: r.get("speedup_vs_torch_fused") or fused[r["config"]]["median_ms"] / r["median_ms"],
+          lambda r: (fused[r["config"]]["p20_ms"] / r["p80_ms"], fused[r["config"]]["p80_ms"] / r["p20_ms"]))
+    top.axhline(1.0, color="black", linewidth=1)
+    top.set_ylabel("speedup over torch AdamW(fused=True)\n(log scale; > 1 = faster)")
+    top.set_title("speedup (error bars: p20–p80 of both timings)", fontsize=9)
+    _bars(bottom, groups, names, cell, _ms, _ms_err)
+    bottom.set_ylabel("ms per step (log scale)")
+    bottom.set_title("absolute time (median, p20–p80)", fontsize=9)
+    for ax in (top, bottom):
+        _legend_beside(ax)
+    _finish(fig, path, f"Optimizer step, every configuration, {subset[0]['case'].split(' on ', 1)[-1]}",
+            subset[0]["hardware"], KEY + " · † unstable timing")
     return True
 
 
@@ -114,24 +124,23 @@ def plot_size(rows, path) -> bool:
     subset = _ok(rows, "size")
     if not subset:
         return False
-    cfgs = list(dict.fromkeys(r["config"] for r in subset))
+    cfgs = _names(subset, "config")
     fig, axes = plt.subplots(1, len(cfgs), figsize=(6.5 * len(cfgs), 4.6), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         part = [r for r in subset if r["config"] == cfg]
-        for name in _providers(part):
-            pts = sorted((r["numel"], r) for r in part if r["provider"] == name)
-            xs = [n for n, _ in pts]
+        for name in _names(part):
+            pts = sorted(((r["numel"], r) for r in part if r["provider"] == name), key=lambda p: p[0])
             ys = [r["gbps"] for _, r in pts]
-            lo = [r["gbps"] - r["bytes_per_step"] / (r["p80_ms"] * 1e6) for _, r in pts]
-            hi = [r["bytes_per_step"] / (r["p20_ms"] * 1e6) - r["gbps"] for _, r in pts]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", markersize=4, capsize=2, label=name, color=COLORS.get(name))
+            err = [[y - r["bytes_per_step"] / (r["p80_ms"] * 1e6) for y, (_, r) in zip(ys, pts)],
+                   [r["bytes_per_step"] / (r["p20_ms"] * 1e6) - y for y, (_, r) in zip(ys, pts)]]
+            ax.errorbar([n for n, _ in pts], ys, yerr=err, marker=style(name)["marker"], markersize=4, capsize=2,
+                        label=name, color=style(name)["color"])
         copy = sorted({(r["numel"], r["roofline_gbps"]) for r in part if r["provider"] == "torch-fused" and r["roofline_gbps"] != ""})
         if copy:
             ax.plot(*zip(*copy), linestyle="--", color="black", label="roofline of torch-fused's row (a += b over its working set)")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log", title=cfg, xlabel="parameters (4 equal tensors)",
+               ylabel="effective GB/s (modeled bytes / median time)")
         _log_ticks(ax.yaxis)
-        ax.set(title=cfg, xlabel="parameters (4 equal tensors)", ylabel="effective GB/s (modeled bytes / median time)")
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
     _finish(fig, path, "Optimizer step vs total size (error bars: p20–p80)", subset[0]["hardware"])
@@ -142,18 +151,15 @@ def plot_tensors(rows, path) -> bool:
     subset = _ok(rows, "tensors")
     if not subset:
         return False
-    cfgs = list(dict.fromkeys(r["config"] for r in subset))
-    fig, axes = plt.subplots(1, len(cfgs), figsize=(6 * len(cfgs), 4.6), squeeze=False)
+    cfgs = _names(subset, "config")
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(6 * len(cfgs) + 2.6, 4.6), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         part = {(f"{r['family']} {r['tensors']} tensors", r["provider"]): r for r in subset if r["config"] == cfg}
         groups = list(dict.fromkeys(g for g, _ in part))
-        _bars(ax, groups, _providers(subset),
-              lambda g, n: part[(g, n)]["median_ms"] if (g, n) in part else None,
-              lambda g, n: (part[(g, n)]["p20_ms"], part[(g, n)]["p80_ms"]),
-              lambda g, n: bool(part.get((g, n), {}).get("unstable")))
+        _bars(ax, groups, _names(subset), part, _ms, _ms_err)
         ax.set_xticks(range(len(groups)), [g.replace(" ", "\n", 1) for g in groups], fontsize=8)
         ax.set(title=cfg, ylabel="ms per step (log scale)")
-        ax.legend(fontsize=7.5)
+    _legend_beside(axes[0][-1])
     total = subset[0]["case"].split(" on ", 1)[-1].split(" ")[1]
     _finish(fig, path, f"Tensor count at the same total size ({total} params)", subset[0]["hardware"],
             KEY + " · † unstable timing")
@@ -165,20 +171,20 @@ def plot_host(rows, path) -> bool:
     if not subset:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
-    for name in _providers(subset):
-        for clip, fresh, style in ((True, False, "-"), (False, False, ":"), (True, True, "--")):
+    for name in _names(subset):
+        look = style(name)
+        for clip, fresh, dash in ((True, False, "-"), (False, False, ":"), (True, True, "--")):
             pts = sorted(((r["tensors"], r) for r in subset if r["provider"] == name and r["clip"] == clip
-                          and r["config"].endswith("fresh-grads") == fresh), key=lambda x: x[0])
+                          and r["config"].endswith("fresh-grads") == fresh), key=lambda p: p[0])
             if not pts:
                 continue
-            label = f"{name}, {'clip' if clip else 'noclip'}{', fresh grads' if fresh else ''}"
-            xs = [n for n, _ in pts]
-            left.errorbar(xs, [r["median_ms"] for _, r in pts],
-                          yerr=[[r["median_ms"] - r["p20_ms"] for _, r in pts], [r["p80_ms"] - r["median_ms"] for _, r in pts]],
-                          linestyle=style, marker="o", markersize=4, capsize=2, color=COLORS.get(name), label=label)
+            line = dict(linestyle=dash, marker=look["marker"], markersize=4, color=look["color"],
+                        label=f"{name}, {'clip' if clip else 'noclip'}{', fresh grads' if fresh else ''}")
+            left.errorbar([n for n, _ in pts], [r["median_ms"] for _, r in pts], capsize=2, **line,
+                          yerr=[[r["median_ms"] - r["p20_ms"] for _, r in pts], [r["p80_ms"] - r["median_ms"] for _, r in pts]])
             ratio = [(n, r["host_ratio_vs_torch_fused"]) for n, r in pts if r["host_ratio_vs_torch_fused"] != ""]
             if ratio:
-                right.plot(*zip(*ratio), linestyle=style, marker="o", markersize=4, color=COLORS.get(name), label=label)
+                right.plot(*zip(*ratio), **line)
     left.set(xscale="log", yscale="log", xlabel="tensors (16 elements each)", ylabel="host ms per step (log scale)",
              title="host time of step() + update()")
     right.axhline(1.0, color="black", linewidth=1)
@@ -195,10 +201,6 @@ def plot_host(rows, path) -> bool:
 
 
 def write_plots(rows, out) -> list[str]:
-    paths = []
-    for filename, plot in (("configs_speedup.png", plot_configs), ("size_sweep.png", plot_size),
-                           ("tensors_sweep.png", plot_tensors), ("host_sweep.png", plot_host)):
-        path = os.path.join(out, filename)
-        if plot(rows, path):
-            paths.append(path)
-    return paths
+    plots = {"configs_speedup.png": plot_configs, "size_sweep.png": plot_size, "tensors_sweep.png": plot_tensors,
+             "host_sweep.png": plot_host}
+    return [os.path.join(out, name) for name, plot in plots.items() if plot(rows, os.path.join(out, name))]

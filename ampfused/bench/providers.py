@@ -1,9 +1,7 @@
-"""The implementations being compared, each wrapping one training-step tail behind ``step()``: everything
-between the end of the last ``backward()`` of an optimizer step and the next forward, plus folding
-each micro-batch's gradient for low-precision params. What each ``step()`` contains, the synthesized
-gradients (not restored while timed, restored before every gated step) and the bytes model of
-:func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics").
-"""
+"""The implementations being compared, each wrapping one training-step tail behind ``step()``: from the
+end of the last ``backward()`` of an optimizer step to the next forward, plus folding each micro-batch's
+gradient for low-precision params. What each ``step()`` contains, the synthesized gradients and the
+bytes model of :func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics")."""
 from __future__ import annotations
 
 import torch
@@ -33,52 +31,40 @@ class FreshGrads:
     SETS = 20
 
     def __init__(self, grads):
-        self.sets = [[g.clone() for g in grads] for _ in range(self.SETS)]
-        self.k = 0
+        self.sets, self.k = [[g.clone() for g in grads] for _ in range(self.SETS)], 0
 
     def restore(self, grads) -> None:
         """Put the case's gradients into the set the next step hands over (the gate's restore)."""
         torch._foreach_copy_(self.sets[self.k % self.SETS], grads)
 
     def hand_over(self, params) -> None:
-        grads = self.sets[self.k % self.SETS]
-        self.k += 1
-        for p, g in zip(params, grads):
+        for p, g in zip(params, self.sets[self.k % self.SETS]):
             p.grad = g
+        self.k += 1
 
 
 class CaseData:
     """Seeded initial params (fp32) and gradients (per micro-batch, in the param dtype) of one case."""
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0):
-        config = case.config
-        gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = config.torch_dtype
-        scale = INIT_SCALE if config.loss_scaling else 1.0
+        config, gen = case.config, torch.Generator(device=device).manual_seed(seed)
+        std, dtype = GRAD_STD * (INIT_SCALE if config.loss_scaling else 1.0), config.torch_dtype
         self.init = [torch.randn(s, generator=gen, device=device).mul_(0.02) for s in case.shapes.shapes]
         if config.low_precision:  # the master starts as the low-precision param, as FusedAmpAdamW does
             self.init = [t.to(dtype).float() for t in self.init]
-        self.grads = [
-            [torch.randn(s, generator=gen, device=device).mul_(GRAD_STD * scale).to(dtype) for s in case.shapes.shapes]
-            for _ in range(config.micro_batches)
-        ]
-
-
-def _init_scale(scaler, device) -> None:
-    """The scale tensor is created lazily by ``scaler.scale(loss)``, which the forward half of a loop calls."""
-    scaler.scale(torch.ones((), device=device))
+        self.grads = [[torch.randn(s, generator=gen, device=device).mul_(std).to(dtype) for s in case.shapes.shapes]
+                      for _ in range(config.micro_batches)]
 
 
 class Provider:
-    """One implementation set up on one case. ``step()`` is what is timed."""
+    """One implementation set up on one case. ``step()`` is what is timed; ``results()``: {"master": fp32
+    weights, "param": model params} after the steps so far; ``state_bytes()``: every tensor kept between
+    steps (the case's shared gradients excluded)."""
 
     name: str
 
     def __init__(self, case: Case, data: CaseData, device: torch.device):
         self.case, self.config, self.data, self.device = case, case.config, data, device
-
-    def step(self) -> None:
-        raise NotImplementedError
 
     def restore_grads(self) -> None:
         """Put back the gradients backward would have produced (the gate's steps; step() modifies them)."""
@@ -90,14 +76,6 @@ class Provider:
     def _state(self) -> list[Tensor]:
         return [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
 
-    def results(self) -> dict[str, list[Tensor]]:
-        """{"master": fp32 weights, "param": model params} after the steps run so far."""
-        raise NotImplementedError
-
-    def state_bytes(self) -> int:
-        """Bytes of every tensor this provider keeps between steps (the case's shared gradients excluded)."""
-        raise NotImplementedError
-
     def close(self) -> None:
         """Drop every tensor (the next provider is measured on a clean allocator)."""
         self.__dict__.clear()
@@ -106,8 +84,7 @@ class Provider:
 class StockAdamW(Provider):
     def __init__(self, case, data, device, impl: str):
         super().__init__(case, data, device)
-        self.name = f"torch-{impl}"
-        cfg = self.config
+        self.name, cfg = f"torch-{impl}", self.config
         if cfg.low_precision:
             self.params = [t.to(cfg.torch_dtype, copy=True) for t in data.init]
             self.masters = [torch.nn.Parameter(t.clone()) for t in data.init]
@@ -123,7 +100,7 @@ class StockAdamW(Provider):
                                      **{impl: True})
         self.scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
                                            enabled=cfg.loss_scaling)
-        _init_scale(self.scaler, device)
+        self.scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as a loop's scale(loss) does
 
     def _grads(self):
         return self.master_grads
@@ -161,16 +138,15 @@ class AmpfusedAdamW(Provider):
                                           **(MEMORY_MODES[mode] if mode else {}))
         self.scaler = ampfused.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL,
                                           enabled=cfg.loss_scaling)
-        _init_scale(self.scaler, device)
+        self.scaler.scale(torch.ones((), device=device))
         if not cfg.low_precision:
             for p, g in zip(self.params, data.grads[0]):
                 p.grad = g.clone()
         self.fresh = FreshGrads(data.grads[0]) if cfg.fresh_grads else None
-        # the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook,
-        # called as autograd calls them once a param's .grad is final.
+        # the hooks FusedAmpAdamW registered with register_post_accumulate_grad_hook, called as autograd calls
+        # them once a param's .grad is final; and the C++ pre-hook on the AccumulateGrad node of CPU params
+        # (csrc/accumulate_hook.cpp), which adds micro-batches 2..N with ampfused::accumulate
         self.hooks = [list(p._post_accumulate_grad_hooks.values()) if p._post_accumulate_grad_hooks else [] for p in self.params]
-        # and the C++ pre-hook on the AccumulateGrad node of CPU params (csrc/accumulate_hook.cpp),
-        # which adds micro-batches 2..N with ampfused::accumulate where autograd would add in place
         self.pre_hooked = [self.opt.main_grads.has_cpu_hook(p) for p in self.params]
 
     def _grads(self):  # (a scaled step wrote the unscaled gradient into p.grad)
@@ -200,10 +176,8 @@ class AmpfusedAdamW(Provider):
             self.opt.zero_grad()
 
     def results(self):
-        if self.config.low_precision:  # (a compact master decoded: the param plus its stored bits)
-            masters = [_compact.decode_state(self.opt.state[p], p).get("master_param", p.float()) for p in self.params]
-        else:
-            masters = [p.detach() for p in self.params]
+        masters = ([_compact.decode_state(self.opt.state[p], p).get("master_param", p.float()) for p in self.params]
+                   if self.config.low_precision else [p.detach() for p in self.params])  # (a compact master decoded)
         return {"master": masters, "param": [p.detach() for p in self.params]}
 
     def state_bytes(self) -> int:

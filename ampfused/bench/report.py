@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from . import configs, providers
+from . import configs, measure, providers
 
 COLUMNS = [
     "date", "device", "hardware", "torch", "triton", "ampfused", "python", "threads", "plan",
@@ -35,20 +35,27 @@ def base_row(env: dict, case: configs.Case, provider: str) -> dict:
 
 def add_derived(rows: list[dict]) -> None:
     """GB/s, fraction of the roofline stream, and speedups over the stock rows of the same case (host
-    sweep: ampfused's host time over torch-fused's). A ratio taken against an unstable stock row
-    makes the row unstable too: its headline number is no better than its baseline."""
+    sweep: ampfused's host time over torch-fused's): the median of the round-by-round ratios where
+    both were timed interleaved (``_timing``), else of the medians. A ratio taken against an unstable
+    stock row makes the row unstable too: its headline number is no better than its baseline."""
     stock = {r["provider"]: r for r in rows if r["provider"] in STOCK_COLUMNS and r["status"] == "ok"}
+
+    def ratio(num, den):
+        if num.get("_timing") and den.get("_timing"):
+            return measure.ratio(num["_timing"], den["_timing"])[0]
+        return num["median_ms"] / den["median_ms"]
+
     for r in rows:
         if r["status"] != "ok":
             continue
         if r["timer"] == "host":
             if "torch-fused" in stock and r["provider"] not in STOCK_COLUMNS:
-                r["host_ratio_vs_torch_fused"] = r["median_ms"] / stock["torch-fused"]["median_ms"]
+                r["host_ratio_vs_torch_fused"] = ratio(r, stock["torch-fused"])
         else:
             r["gbps"] = r["bytes_per_step"] / (r["median_ms"] * 1e-3) / 1e9
             for name, column in STOCK_COLUMNS.items():
                 if name in stock:
-                    r[column] = stock[name]["median_ms"] / r["median_ms"]
+                    r[column] = ratio(stock[name], r)
         if not r["unstable"] and r["provider"] not in STOCK_COLUMNS:
             shaky = [n for n, s in stock.items() if s["unstable"] and (r["timer"] != "host" or n == "torch-fused")]
             if shaky:
@@ -57,27 +64,19 @@ def add_derived(rows: list[dict]) -> None:
 
 
 def add_roofline(rows: list[dict]) -> None:
-    """``roofline_frac`` of every device-timed row, never above 1.
-
-    A row's roofline is the GB/s of the ``a += b`` stream over its own working set (bench.run_case);
-    where a provider of the case reached more on a working set at least as large (its kernel
-    streams better than torch's ``add_``), the hardware demonstrably does that much, so that is
-    the roofline, and ``roofline_from`` names it: a fraction above 100% would claim more than the
-    memory system can deliver (benchmarks/README.md §1, "Metrics").
-    """
+    """``roofline_frac`` of every device-timed row, never above 1: the GB/s of the ``a += b`` stream over
+    the row's own working set, or where a provider of the case reached more on a working set at least
+    as large, that (the hardware demonstrably does that much; ``roofline_from`` names it; benchmarks/README.md §1)."""
     timed = [r for r in rows if r["status"] == "ok" and r["timer"] != "host" and r["gbps"] != "" and r["roofline_gbps"] != ""]
+    size = {id(r): r["working_set_mb"] if r.get("working_set_mb", "") != "" else 0.0 for r in timed}
     for r in timed:
-        faster = [q for q in timed if _working_set(q) >= _working_set(r) and q["gbps"] > r["roofline_gbps"]]
+        faster = [q for q in timed if size[id(q)] >= size[id(r)] and q["gbps"] > r["roofline_gbps"]]
         if faster:
             best = max(faster, key=lambda q: q["gbps"])
-            r["roofline_from"] = (f"{best['provider']}'s {best['gbps']:.1f} GB/s on {_working_set(best):.0f} MiB "
-                                  f"(the a += b stream over {_working_set(r):.0f} MiB: {r['roofline_gbps']:.1f})")
+            r["roofline_from"] = (f"{best['provider']}'s {best['gbps']:.1f} GB/s on {size[id(best)]:.0f} MiB "
+                                  f"(the a += b stream over {size[id(r)]:.0f} MiB: {r['roofline_gbps']:.1f})")
             r["roofline_gbps"] = best["gbps"]
         r["roofline_frac"] = r["gbps"] / r["roofline_gbps"]
-
-
-def _working_set(r: dict) -> float:
-    return r["working_set_mb"] if r.get("working_set_mb", "") != "" else 0.0
 
 
 # ---------------------------------------------------------------- CSV and markdown
@@ -85,10 +84,9 @@ def _working_set(r: dict) -> float:
 
 def write_csv(rows: list[dict], path: str, columns: list[str] = COLUMNS) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+        writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
 
 
 def fmt(value, spec: str, default: str = "–") -> str:
@@ -101,7 +99,7 @@ def _ms(r) -> str:
     return f"{r['median_ms']:.3f} ({r['p20_ms']:.3f}–{r['p80_ms']:.3f})"
 
 
-def _timing(r) -> str:
+def _timing(r) -> str:  # (an unstable row says why)
     return f"**unstable**: {r['unstable']}" if r["unstable"] else "stable"
 
 
@@ -167,26 +165,24 @@ def load_line(env: dict) -> str:
 
 
 def write_markdown(rows, env, backends, skipped, budget, path) -> None:
+    untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
     head = [
-        "# ampfused optimizer-step benchmark",
-        "",
-        f"- date: {env['date']}; plan: {env['plan']}",
-        f"- hardware: {env['hardware']}",
+        "# ampfused optimizer-step benchmark", "",
+        f"- date: {env['date']}; plan: {env['plan']}; hardware: {env['hardware']}",
         f"- versions: torch {env['torch']}, triton {env['triton']}, ampfused {env['ampfused']}, python {env['python']}",
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
         f"- {env.get('threads_choice') or 'threads: ' + env['threads']}",
         f"- {load_line(env)}; per row: 'other cores' during that case, on average (in the busiest 0.5 s window); "
         "a row where they exceed the cores the bench's threads leave free is **unstable**",
         *([f"- **not to be trusted**: {env['untrusted']}"] if env.get("untrusted") else []),
-        f"- timing: {budget.min_samples}+ samples and {budget.min_s:g}+ s per timing, all providers of a case and the "
-        f"roofline stream interleaved (ampfused/bench/measure.py); **unstable**: fewer samples or a p20–p80 spread above "
-        f"{100 * budget.max_spread:.0f}% of the median",
-    ]
-    head += [f"- not measured: {name} ({why})" for name, why in skipped.items()]
-    untimed = list(dict.fromkeys(r["provider"] for r in rows if r["status"] == "untimed"))
-    if untimed:
-        head.append(f"- gated but not timed: {', '.join(untimed)} (the oracle and fallback; `--backends` naming it times it)")
-    head += [
+        f"- timing: all providers of a case and the roofline stream interleaved, in {budget.rounds}+ rounds of "
+        f"{budget.burst}+ calls each ({budget.min_samples}+ calls and {budget.min_s:g}+ s per timing); a round's value "
+        "is the mean of its calls; ms/step: median (p20–p80) of the round values; × torch-*: median of the "
+        f"round-by-round ratios; **unstable** (with the reason): fewer calls, a p20–p80 spread above "
+        f"{100 * budget.max_spread:.0f}% of the median, an unstable stock row or roofline stream, or load from other processes",
+        *(f"- not measured: {name} ({why})" for name, why in skipped.items()),
+        *([f"- gated but not timed: {', '.join(untimed)} (the oracle and fallback; `--backends` naming it times it)"]
+          if untimed else []),
         "- timed: one optimizer step's tail (micro-batch gradient folding, unscale, clip, AdamW, scaler update, "
         "low-precision write-back); see ampfused/bench/providers.py",
         "- B/param: modeled bytes moved per parameter (ampfused/bench/providers.py `bytes_per_param`); "
@@ -195,10 +191,8 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         "where a provider streamed faster on a working set at least as large, its GB/s is the roofline "
         "(measured, so no row exceeds 100%; `roofline_from` in the CSV says which)",
         "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact; kept B/param: the "
-        "same per parameter); peak MiB: "
-        "measured peak above the level before the provider was built, through its build and gate steps (not the "
-        "gate's oracle twin; CUDA allocator; on CPU, approximate RSS growth)",
-        "",
+        "same per parameter); peak MiB: measured peak above the level before the provider was built, through its "
+        "build and gate steps (not the gate's oracle twin; CUDA allocator; on CPU, approximate RSS growth)", "",
     ]
     with open(path, "w") as f:
         f.write("\n".join(head) + "\n" + markdown_summary(rows) + "\n")

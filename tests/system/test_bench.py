@@ -171,16 +171,22 @@ class FakeClock:
 
 def test_interleaved_timing_alternates_and_marks_noisy_timings_unstable():
     clock = FakeClock()
-    fns = {"steady": clock.fn("steady", [1e-3]), "noisy": clock.fn("noisy", [1e-3, 1e-3, 3e-3])}
+    # a burst of 10 calls a round: "spiky" stalls one call in ten (a preemption), "noisy" drifts between rounds
+    fns = {"steady": clock.fn("steady", [1e-3]), "spiky": clock.fn("spiky", [1e-3] * 9 + [6e-3]),
+           "noisy": clock.fn("noisy", [1e-3] * 10 + [3e-3] * 10)}
     budget = measure.Budget(min_s=0.05, max_s=0.2, min_samples=10, max_spread=0.15, rounds=5)
     timings = measure.interleaved(fns, torch.device("cpu"), budget, clock=clock)
-    steady, noisy = timings["steady"], timings["noisy"]
+    steady, spiky, noisy = timings["steady"], timings["spiky"], timings["noisy"]
     assert steady.unstable == "" and steady.median_ms == pytest.approx(1.0) and steady.samples >= 50
-    assert noisy.unstable.startswith("p20-p80 spread") and noisy.p80_ms == pytest.approx(3.0)
+    assert spiky.unstable == "" and spiky.median_ms == pytest.approx(1.5)  # a round's value: the mean of its burst
+    assert noisy.unstable.startswith("p20-p80 spread") and noisy.p20_ms < 1.5 < 2.5 < noisy.p80_ms
+    assert len(steady.rounds) == len(noisy.rounds) == len(spiky.rounds) >= budget.rounds
     switches = sum(a != b for a, b in zip(clock.calls, clock.calls[1:]))
-    assert switches >= 2 * budget.rounds - 1  # bursts alternate, not one function after the other
+    assert switches >= 3 * budget.rounds - 1  # bursts alternate, not one function after the other
     # a noisy function is measured for longer, up to max_s per function, before it is given up on
-    assert 0.2 * 2 <= clock.now <= 0.2 * 2 + 0.1
+    assert 0.2 * 3 <= clock.now <= 0.2 * 3 + 0.2
+    # speedups are taken round by round: a drift that hits both sides of a round cancels
+    assert measure.ratio(noisy, noisy) == pytest.approx((1.0, 1.0, 1.0)) and measure.ratio(noisy, steady)[2] > 2.5
 
 
 def test_interleaved_timing_marks_too_few_samples_and_reports_errors():
@@ -512,3 +518,60 @@ def test_host_only_runs_the_triton_host_side_and_launches_nothing():
     assert all(torch.equal(p, torch.ones(300)) for p in params) and opt.state[params[0]]["exp_avg"].abs().sum() == 0
     opt.step()  # and outside it the same optimizer steps
     assert all(bool((p < 1).all()) for p in params)
+
+
+# ---------------------------------------------------------------- benchmarks/busy.py (the busy-cores study)
+
+
+@pytest.mark.skipif(not HAVE_COMPILED, reason="needs the compiled cpu backend (ampfused._C)")
+def test_tiny_busy_sweep_gives_its_rows_and_passes_the_gate(tmp_path):
+    proc = run_bench([str(BENCHMARKS / "busy.py"), "--quick", "--shapes", "148x16", "--threads", "1", "--threads", "2",
+                      "--spinners", "1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 spinning process(es)" in proc.stdout and "correctness gate: PASSED (6 rows" in proc.stdout
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 148x16 ")]
+    assert sorted((r[2].strip(), r[3].strip()) for r in rows) == [("accumulate", "1"), ("accumulate", "2"), ("clip", "1"),
+                                                                  ("clip", "2"), ("plain", "1"), ("plain", "2")]
+    for r in rows:
+        torch_ms, ours_ms, ratio = (float(r[i].split()[0].rstrip("*")) for i in (4, 5, 6))
+        assert torch_ms > 0 and ours_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, rel=0.02, abs=0.01)
+
+
+def test_busy_spinners_end_even_on_error():
+    busy = load_study("busy")
+    with pytest.raises(RuntimeError, match="inside"):
+        with busy.spinners(2) as procs:
+            assert len(procs) == 2 and all(p.is_alive() for p in procs)
+            raise RuntimeError("inside")
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.skipif(not HAVE_COMPILED, reason="needs the compiled cpu backend (ampfused._C)")
+def test_busy_gate_sees_a_buffer_or_moment_that_differs():
+    """The accumulate row's two sides are the hook's op and torch's add_; the gate sees what differs."""
+    busy = load_study("busy")
+    params, grads = busy._tensors((5, 70_000), seed=0)
+    sides = {kind: busy._Accumulation(kind, params, grads) for kind in ("torch", "ampfused")}
+    for side in sides.values():
+        side.step()
+        side.step()
+    assert busy.compare(sides["ampfused"].results(), sides["torch"].results()) == ""
+    sides["ampfused"].main_grads[1][7] += 1.0
+    assert busy.compare(sides["ampfused"].results(), sides["torch"].results()).startswith("main_grad[1] element 7:")
+    a = {"param": [torch.ones(4)], "exp_avg": [torch.zeros(4)], "exp_avg_sq": [torch.zeros(4)]}
+    b = {k: [t.clone() for t in v] for k, v in a.items()}
+    b["exp_avg_sq"][0][2] = 1e-3
+    assert busy.compare(a, b).startswith("exp_avg_sq[0] element 2:")
+
+
+def test_busy_left_the_installed_command_for_the_checkout(tmp_path, capsys):
+    proc = run_bench(["-m", "ampfused", "bench", "busy", "--quick"], cwd=tmp_path)
+    assert proc.returncode == 2 and "python benchmarks/busy.py" in proc.stderr and "Traceback" not in proc.stderr
+    from ampfused.bench import bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["busy"])
+    assert exit_.value.code == 2 and "from a checkout: python benchmarks/busy.py" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        load_study("busy").main(["--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: python benchmarks/busy.py ")
