@@ -330,11 +330,11 @@ def compile_one(spec: dict, cache: Path | None) -> dict:
     for part in spec["qualname"].split("."):
         jit = getattr(jit, part)
     log = io.StringIO()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas -v report
         kernel = jit.preload(spec["data"])
-    compile_s = time.perf_counter() - start
+    compile_s, compile_cpu_s = time.perf_counter() - start, cpu_seconds() - cpu_start
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -347,10 +347,19 @@ def compile_one(spec: dict, cache: Path | None) -> dict:
     tools_s = time.perf_counter() - start - compile_s
     out = dict(ptx=kernel.asm["ptx"], ptxas_log=ptxas_log, sass=sass,
                meta=dict(hash=kernel.hash, num_warps=kernel.metadata.num_warps, shared=kernel.metadata.shared,
-                         compile_s=compile_s, tools_s=tools_s))
+                         compile_s=compile_s, compile_cpu_s=compile_cpu_s, tools_s=tools_s))
     if cache is not None:
         cache_put(cache / "triton" / key, out)
-    return dict(out, cached=False, compile_s=compile_s, tools_s=tools_s)
+    return dict(out, cached=False, compile_s=compile_s, compile_cpu_s=compile_cpu_s, tools_s=tools_s)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas): a compile's cost on an idle core,
+    whatever else the machine runs meanwhile (its wall time grows with the load; this does not, much)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def analyze_triton(specs: list[dict], artifacts: list[dict]) -> tuple[list[dict], list[str]]:
@@ -368,7 +377,7 @@ def analyze_triton(specs: list[dict], artifacts: list[dict]) -> tuple[list[dict]
         smem = max(info["smem"], art["meta"]["shared"])
         rows.append(dict(kernel=entry["name"], config=entry["config"], threads=threads, **info, smem_total=smem,
                          inner_spills=len(inner), occupancy=occupancy(info["regs"], threads, smem),
-                         compile_s=art["meta"]["compile_s"]))
+                         compile_s=(art["meta"]["compile_s"], art["meta"].get("compile_cpu_s", float("nan")))))
         problems += flag_rules(entry["name"], art["ptx"], entry["fused"])
         problems += [f"{entry['name']} [{entry['config']}]: spill in a hot loop: {s}" for s in inner]
         problems += budget_problems(entry["name"], info["regs"], smem, entry["config"])
@@ -731,7 +740,8 @@ def compile_all(specs: list[dict], nvcc: str | None, cache: Path | None, jobs: i
             else:
                 artifacts[what] = art
                 label = f"{specs[what]['name']} [{specs[what]['config']}]"
-                took = "cached" if art["cached"] else f"{art['compile_s']:.1f} s + ptxas/cuobjdump {art['tools_s']:.1f} s"
+                took = "cached" if art["cached"] else (f"{art['compile_s']:.1f} s ({art['compile_cpu_s']:.1f} s CPU) "
+                                                       f"+ cuobjdump {art['tools_s']:.1f} s")
             print(f"  compiled {label}: {took}", flush=True)
     return artifacts, cuda
 
@@ -742,13 +752,17 @@ def time_summary(specs: list[dict], artifacts: list[dict], cuda: dict, jobs: int
             f" and {len(cuda)} nvcc jobs ({sum(not a['cached'] for a in cuda.values())} compiled), {jobs} workers: "
             f"{wall:.0f} s wall")
     if fresh:
-        each = sorted(a["compile_s"] + a["tools_s"] for a in fresh)
-        line += (f"; per Triton specialization (compile incl. ptxas + cuobjdump, one core): median {each[len(each) // 2]:.1f} s, "
-                 f"mean {sum(each) / len(each):.1f} s, max {each[-1]:.1f} s, sum {sum(each):.0f} s")
+        each = sorted(a["compile_s"] for a in fresh)
+        cpu = sorted(a["compile_cpu_s"] for a in fresh)
+        line += (f"; Triton's compile (ptxas included) per specialization: median {each[len(each) // 2]:.1f} s wall / "
+                 f"{cpu[len(cpu) // 2]:.1f} s CPU, max {each[-1]:.1f} / {cpu[-1]:.1f} s, sum {sum(each):.0f} / {sum(cpu):.0f} s; "
+                 f"cuobjdump {sum(a['tools_s'] for a in fresh):.0f} s in all")
         for name in sorted({s["name"] for s in specs}):
-            mine = [a["compile_s"] for s, a in zip(specs, artifacts) if s["name"] == name and not a["cached"]]
+            mine = [a for s, a in zip(specs, artifacts) if s["name"] == name and not a["cached"]]
             if mine:
-                line += f"\n  {name}: {len(mine)} compiled, Triton compile {sum(mine) / len(mine):.1f} s each (max {max(mine):.1f} s)"
+                line += (f"\n  {name}: {len(mine)} compiled, {sum(a['compile_s'] for a in mine) / len(mine):.1f} s wall / "
+                         f"{sum(a['compile_cpu_s'] for a in mine) / len(mine):.1f} s CPU each (max "
+                         f"{max(a['compile_s'] for a in mine):.1f} / {max(a['compile_cpu_s'] for a in mine):.1f} s)")
     for job, art in sorted(cuda.items()):
         if not art["cached"]:
             line += f"\n  nvcc {job}: {art['compile_s']:.1f} s"
@@ -791,12 +805,13 @@ def run_tool(cmd: list[str]) -> str:
 
 def report_table(rows: list[dict]) -> str:
     """One row per compiled kernel; ``compile (s)``: Triton's compile of the specialization (ptxas
-    included), measured when it was compiled (a cached row keeps the time of the run that made it)."""
+    included), wall and CPU seconds, measured when it was compiled (a cached row keeps the times of
+    the run that made it)."""
     lines = ["| kernel | config | threads | regs | spill st/ld (B) | stack (B) | smem (B) | spills in hot loops | blocks/SM "
-             "| occupancy | compile (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| occupancy | compile wall / CPU (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         blocks, occ = r["occupancy"]
-        took = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
+        took = f"{r['compile_s'][0]:.1f} / {r['compile_s'][1]:.1f}" if "compile_s" in r else "-"
         lines.append(f"| {r['kernel']} | {r['config']} | {r['threads']} | {r['regs']} | {r['spill_stores']}/{r['spill_loads']} "
                      f"| {r['stack']} | {r['smem_total']} | {r['inner_spills']} | {blocks} | {occ:.0%} | {took} |")
     return "\n".join(lines)
