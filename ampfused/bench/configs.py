@@ -85,7 +85,7 @@ class ShapeSet:
 
     @property
     def count(self) -> int:
-        return len(self.sizes)
+        return len(self.shapes)
 
     @property
     def label(self) -> str:
@@ -164,9 +164,7 @@ PLANS = {
 def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | None = None) -> list[Case]:
     """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
     configs_total, size_totals, tensors_total = PLANS[name]
-    if sizes:
-        size_totals = sizes
-    cases: list[tuple[str, ShapeSet, StepConfig]] = []
+    size_totals, cases = sizes or size_totals, []
     if "configs" in sweeps:
         configs = all_configs() if name != "quick" else [FP32_CLIP, BF16_X4_CLIP, FP16_X1_CLIP]
         cases += [("configs", shape_set("gpt2-like", configs_total), c) for c in configs]

@@ -61,9 +61,10 @@ def _finish(fig, path, title, hardware, key=None):
     plt.close(fig)
 
 
-def _legend_beside(ax):
-    """The legend right of the axes, where it covers no bar (inside, "best" still lands on some)."""
-    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+def _legend_beside(ax, *others):
+    """The legend (of ``ax`` and ``others``) right of ``ax``, where it covers no bar (inside, "best" still lands on some)."""
+    entries = {label: h for a in (*others, ax) for h, label in zip(*a.get_legend_handles_labels())}
+    ax.legend(entries.values(), entries.keys(), fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _bars(ax, groups, names, cell, value, err):
@@ -72,8 +73,10 @@ def _bars(ax, groups, names, cell, value, err):
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         bars = [(g - 0.4 + width * (i + 0.5), cell[(group, name)]) for g, group in enumerate(groups) if (group, name) in cell]
+        if not bars:  # (an empty bar set would still take a legend entry, in a default colour)
+            continue
         ys = [value(r) for _, r in bars]
-        lo, hi = zip(*((max(y - err(r)[0], 0), max(err(r)[1] - y, 0)) for y, (_, r) in zip(ys, bars))) if bars else ((), ())
+        lo, hi = zip(*((max(y - err(r)[0], 0), max(err(r)[1] - y, 0)) for y, (_, r) in zip(ys, bars)))
         look = style(name)
         ax.bar([x for x, _ in bars], ys, width, yerr=[lo, hi], capsize=2, label=name, color=look["color"],
                hatch=look["hatch"], edgecolor="white", linewidth=0, error_kw={"linewidth": 0.8})
@@ -125,7 +128,7 @@ def plot_size(rows, path) -> bool:
     if not subset:
         return False
     cfgs = _names(subset, "config")
-    fig, axes = plt.subplots(1, len(cfgs), figsize=(6.5 * len(cfgs), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(cfgs), figsize=(max(8.0, 6.5 * len(cfgs)), 4.6), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         part = [r for r in subset if r["config"] == cfg]
         for name in _names(part):
@@ -159,7 +162,7 @@ def plot_tensors(rows, path) -> bool:
         _bars(ax, groups, _names(subset), part, _ms, _ms_err)
         ax.set_xticks(range(len(groups)), [g.replace(" ", "\n", 1) for g in groups], fontsize=8)
         ax.set(title=cfg, ylabel="ms per step (log scale)")
-    _legend_beside(axes[0][-1])
+    _legend_beside(axes[0][-1], *axes[0][:-1])
     total = subset[0]["case"].split(" on ", 1)[-1].split(" ")[1]
     _finish(fig, path, f"Tensor count at the same total size ({total} params)", subset[0]["hardware"],
             KEY + " · † unstable timing")
