@@ -38,7 +38,30 @@ def device():
     return DEVICE
 
 
+def _slow_triton_run(item) -> bool:
+    """The Triton interpreter's optimizer runs with int8 / int4 moments take seconds a step: CI's slow
+    step runs them (`pytest tests -m slow`) where the fast suite has their path already. For Triton it
+    keeps every mode through the kernel (tests/compact/test_update_matches_spec.py,
+    test_skipped_step_writes_nothing) and blockwise moments through the optimizer under an fp32 master;
+    the stale-master loads are Python, which the reference and cpu backends run in every mode."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("backend") != "triton" or DEVICE.type != "cpu":
+        return False
+    name = Path(item.fspath).name
+    mode = params.get("mode")
+    master, state_dtype = (mode if isinstance(mode, tuple) and len(mode) == 2
+                           else (params.get("master_weights"), params.get("state_dtype")))
+    if name == "test_int4_moments.py":
+        state_dtype = "int4"
+    if state_dtype not in ("int8", "int4"):
+        return False
+    return name == "test_stale_master.py" or (Path(item.fspath).parent.name == "compact" and master not in ("fp32", None))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _slow_triton_run(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

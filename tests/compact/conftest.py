@@ -11,7 +11,6 @@ the shuffles themselves) only on a GPU. Every chunk takes the compact path, the 
 included, and a block has 64 threads (two warps), so several warps take turns within a chunk.
 """
 import ctypes
-from pathlib import Path
 import os
 import platform
 import shutil
@@ -151,16 +150,3 @@ def cuda_kernel(request):
     """The CUDA compact update: on the GPU, and its device code on the host."""
     return make_kernel(request.param, request)
 
-
-def pytest_collection_modifyitems(config, items):
-    """The Triton interpreter's blockwise optimizer runs under a split or no master are CI's slow step
-    (`pytest tests -m slow`): seconds a step each. The fast suite keeps, for Triton, every mode through
-    the kernel (test_update_matches_spec, test_skipped_step_writes_nothing) and int8 / int4 moments
-    through the optimizer under an fp32 master."""
-    here = Path(__file__).parent
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        state_dtype = params.get("state_dtype", "int4" if Path(item.fspath).name == "test_int4_moments.py" else None)
-        if (params.get("backend") == "triton" and state_dtype in ("int8", "int4")
-                and params.get("master_weights") not in ("fp32", None) and here in Path(item.fspath).parents):
-            item.add_marker(pytest.mark.slow)
