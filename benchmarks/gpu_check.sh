@@ -130,10 +130,11 @@ fi
 if [ "$build_rc" != 0 ]; then
     echo "build failed (rc=$build_rc): the tests would run a stale or CPU-only ampfused; see build.log" | tee -a "$summary"
 fi
-# (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree)
-stage gpu_tests 80 "$ROOT" pytest tests -q -rs -m gpu -p no:cacheprovider --ignore=tests/compact \
+# (pytest, not python -m pytest: the installed ampfused with its _C, not the source tree; -n 0: one
+# process on the one GPU, where pyproject.toml asks pytest-xdist for a worker per core)
+stage gpu_tests 80 "$ROOT" pytest tests -q -rs -n 0 -m gpu -p no:cacheprovider --ignore=tests/compact \
     --junitxml="$WORK/gpu_tests.xml"
-stage compact 35 "$ROOT" pytest tests/compact -k "cuda and not emulated" -q -rs -p no:cacheprovider --junitxml="$WORK/compact.xml"
+stage compact 35 "$ROOT" pytest tests/compact -k "cuda and not emulated" -q -rs -n 0 -p no:cacheprovider --junitxml="$WORK/compact.xml"
 stage bench 50 "$elsewhere" python -m ampfused bench --device cuda --sweeps size --sizes 124M,1B --gate-steps 1 --out "$WORK/bench"
 # (the GPU plan's memory cases: its 124M gpt2-like shapes and the largest --sizes, 1B)
 stage memory 45 "$elsewhere" python -m ampfused bench --device cuda --sweeps memory --sizes 1B --gate-steps 1 --out "$WORK/memory"
