@@ -1,4 +1,4 @@
-"""`python -m ampfused info|check|bench|bench busy`: the backends found, their check, and the benchmarks."""
+"""`python -m ampfused info|check|bench`: the backends found, their check, and the step benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,8 @@ COMMANDS = """commands:
                 device; exit status 1 on any failure (python -m ampfused check --help)
   bench         benchmark the optimizer step against the stock torch.amp path
                 (python -m ampfused bench --help for its options; the training
-                benchmark runs from a checkout: python benchmarks/bench_train.py)
-  bench busy    the cpu backend's step against torch fused while every core is kept busy
-                (python -m ampfused bench busy --help for its options)"""
+                benchmark runs from a checkout: python benchmarks/bench_train.py,
+                the studies too: benchmarks/README.md)"""
 
 
 def info() -> int:
@@ -49,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and GradScaler for PyTorch", epilog=COMMANDS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ampfused {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench,bench busy}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
     sub.add_parser("info", help="list the backends found and why any is missing")
     sub.add_parser("check", help="every available backend against the reference (see below)", add_help=False)
-    # bench parses its own arguments (and `bench busy` its own), --help included
+    # bench parses its own arguments, --help included
     sub.add_parser("bench", help="benchmarks (see below)", add_help=False)
     return parser
 
@@ -68,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         from . import check
 
         return check.main(rest)
-    if rest[:1] == ["busy"]:
-        from .bench import busy
-
-        return busy.main(rest[1:])
     from .bench import bench
 
     return bench.main(rest)
