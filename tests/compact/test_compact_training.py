@@ -66,6 +66,7 @@ def run_compact(master_weights, state_dtype, amsgrad=False, stochastic=False, dt
     return loss_and_grads(x, y, params)[0], params, states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_split16_is_the_fp32_master_run_bitwise(amsgrad):
     loss, params, masters, opt, ties = run_torch(amsgrad)
@@ -115,6 +116,7 @@ def test_lossy_modes_reach_the_fp32_loss(master_weights, state_dtype, stochastic
     assert abs(loss - reference) <= rtol * reference, f"final loss {loss.item():.6g} vs fp32 masters {reference.item():.6g}"
 
 
+@pytest.mark.slow
 def test_bf16_params_without_master_stall_where_stochastic_rounding_does_not():
     """The reason stochastic rounding exists: with RNE, updates under half a bf16 ulp are lost."""
     torch.manual_seed(0)

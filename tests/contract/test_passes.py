@@ -326,6 +326,7 @@ def _bias_correction_divisors():
     return sorted(divisors | {1.0})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_compiled.load()[0] is None, reason="the compiled cpu backend (ampfused._C) is not built")
 def test_cpu_update_divides_by_its_bias_correction_exactly():
     """The FMA builds of the CPU update (avx2, avx512) divide sqrt(v) by sqrt(1 - beta2^t) without the

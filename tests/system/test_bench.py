@@ -122,6 +122,7 @@ def test_bench_gate_rejects_a_wrong_kernel(tmp_path):
     assert rows["torch-foreach"]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_bench_train_tiny_run_passes_parity(tmp_path):
     """Every memory mode but int4 within 1% of fp32 in 40 tiny steps; int4's 16 levels need longer
     (docs/results/int4-train.md: the 400-step runs), and run in the 12-step harness test below."""

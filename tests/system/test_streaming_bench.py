@@ -23,6 +23,7 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_streaming_reports_passes_and_steps(tmp_path):
     out = tmp_path / "s"
     proc = run_script([str(BENCHMARKS / "streaming.py"), "--size", "64K", "--threads", "1", "--rounds", "3",
@@ -45,6 +46,7 @@ def test_streaming_reports_passes_and_steps(tmp_path):
     assert "% of a += b" in (out / "streaming.md").read_text()
 
 
+@pytest.mark.slow
 def test_passes_study_writes_its_table(tmp_path):
     out = tmp_path / "b"
     proc = run_script([str(BENCHMARKS / "passes.py"), "--quick", "--device", "cpu", "--out", str(out)], tmp_path)
