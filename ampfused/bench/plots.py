@@ -37,10 +37,6 @@ def style(name: str) -> dict:
     return dict(color=COLORS.get(base, "#000000"), hatch=None, marker="o")
 
 
-def _ok(rows, sweep):
-    return [r for r in rows if sweep in r["sweeps"].split("+") and r["status"] == "ok"]
-
-
 def _names(rows, key="provider"):
     return list(dict.fromkeys(r[key] for r in rows))
 
@@ -59,6 +55,7 @@ def _finish(fig, path, title, hardware, key=None):
     fig.tight_layout(rect=(0, 0.05 if key else 0, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
 
 def _legend_beside(ax, *others):
@@ -67,9 +64,9 @@ def _legend_beside(ax, *others):
     ax.legend(entries.values(), entries.keys(), fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
-def _bars(ax, groups, names, cell, value, err):
-    """Grouped bars on a log axis: cell[(group, name)] -> row; value(row) -> float; err(row) -> (lo, hi)
-    absolute; a dagger marks an unstable row."""
+def _bars(ax, groups, names, cell, value=lambda r: r["median_ms"], err=lambda r: (r["p20_ms"], r["p80_ms"])):
+    """Grouped bars on a log axis: cell[(group, name)] -> row; value(row) -> float (default: ms); err(row)
+    -> (lo, hi) absolute; a dagger marks an unstable row."""
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         bars = [(g - 0.4 + width * (i + 0.5), cell[(group, name)]) for g, group in enumerate(groups) if (group, name) in cell]
@@ -89,18 +86,7 @@ def _bars(ax, groups, names, cell, value, err):
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
-def _ms(r):
-    return r["median_ms"]
-
-
-def _ms_err(r):
-    return r["p20_ms"], r["p80_ms"]
-
-
-def plot_configs(rows, path) -> bool:
-    subset = _ok(rows, "configs")
-    if not subset:
-        return False
+def plot_configs(subset, path) -> str:
     cell = {(r["config"], r["provider"]): r for r in subset}
     groups, names = _names(subset, "config"), _names(subset)
     # stacked: one x axis of names; 2.6 inches more on the right for the legends
@@ -113,20 +99,16 @@ def plot_configs(rows, path) -> bool:
     top.axhline(1.0, color="black", linewidth=1)
     top.set_ylabel("speedup over torch AdamW(fused=True)\n(log scale; > 1 = faster)")
     top.set_title("speedup (error bars: p20–p80 of both timings)", fontsize=9)
-    _bars(bottom, groups, names, cell, _ms, _ms_err)
+    _bars(bottom, groups, names, cell)
     bottom.set_ylabel("ms per step (log scale)")
     bottom.set_title("absolute time (median, p20–p80)", fontsize=9)
     for ax in (top, bottom):
         _legend_beside(ax)
-    _finish(fig, path, f"Optimizer step, every configuration, {subset[0]['case'].split(' on ', 1)[-1]}",
-            subset[0]["hardware"], KEY + " · † unstable timing")
-    return True
+    return _finish(fig, path, f"Optimizer step, every configuration, {subset[0]['case'].split(' on ', 1)[-1]}",
+                   subset[0]["hardware"], KEY + " · † unstable timing")
 
 
-def plot_size(rows, path) -> bool:
-    subset = _ok(rows, "size")
-    if not subset:
-        return False
+def plot_size(subset, path) -> str:
     cfgs = _names(subset, "config")
     fig, axes = plt.subplots(1, len(cfgs), figsize=(max(8.0, 6.5 * len(cfgs)), 4.6), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
@@ -146,33 +128,25 @@ def plot_size(rows, path) -> bool:
         _log_ticks(ax.yaxis)
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
-    _finish(fig, path, "Optimizer step vs total size (error bars: p20–p80)", subset[0]["hardware"])
-    return True
+    return _finish(fig, path, "Optimizer step vs total size (error bars: p20–p80)", subset[0]["hardware"])
 
 
-def plot_tensors(rows, path) -> bool:
-    subset = _ok(rows, "tensors")
-    if not subset:
-        return False
+def plot_tensors(subset, path) -> str:
     cfgs = _names(subset, "config")
     fig, axes = plt.subplots(1, len(cfgs), figsize=(6 * len(cfgs) + 2.6, 4.6), squeeze=False)
     for ax, cfg in zip(axes[0], cfgs):
         part = {(f"{r['family']} {r['tensors']} tensors", r["provider"]): r for r in subset if r["config"] == cfg}
         groups = list(dict.fromkeys(g for g, _ in part))
-        _bars(ax, groups, _names(subset), part, _ms, _ms_err)
+        _bars(ax, groups, _names(subset), part)
         ax.set_xticks(range(len(groups)), [g.replace(" ", "\n", 1) for g in groups], fontsize=8)
         ax.set(title=cfg, ylabel="ms per step (log scale)")
     _legend_beside(axes[0][-1], *axes[0][:-1])
     total = subset[0]["case"].split(" on ", 1)[-1].split(" ")[1]
-    _finish(fig, path, f"Tensor count at the same total size ({total} params)", subset[0]["hardware"],
-            KEY + " · † unstable timing")
-    return True
+    return _finish(fig, path, f"Tensor count at the same total size ({total} params)", subset[0]["hardware"],
+                   KEY + " · † unstable timing")
 
 
-def plot_host(rows, path) -> bool:
-    subset = _ok(rows, "host")
-    if not subset:
-        return False
+def plot_host(subset, path) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     for name in _names(subset):
         look = style(name)
@@ -199,11 +173,12 @@ def plot_host(rows, path) -> bool:
         _log_ticks(ax.xaxis, ticker.FixedLocator(sorted({r["tensors"] for r in subset})))
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=7.5)
-    _finish(fig, path, "Host time per optimizer step on tiny tensors (device work ≈ 0)", subset[0]["hardware"])
-    return True
+    return _finish(fig, path, "Host time per optimizer step on tiny tensors (device work ≈ 0)", subset[0]["hardware"])
 
 
 def write_plots(rows, out) -> list[str]:
-    plots = {"configs_speedup.png": plot_configs, "size_sweep.png": plot_size, "tensors_sweep.png": plot_tensors,
-             "host_sweep.png": plot_host}
-    return [os.path.join(out, name) for name, plot in plots.items() if plot(rows, os.path.join(out, name))]
+    """The plot of every sweep with ok rows: the paths written."""
+    plots = {"configs": ("configs_speedup.png", plot_configs), "size": ("size_sweep.png", plot_size),
+             "tensors": ("tensors_sweep.png", plot_tensors), "host": ("host_sweep.png", plot_host)}
+    subsets = {sweep: [r for r in rows if sweep in r["sweeps"].split("+") and r["status"] == "ok"] for sweep in plots}
+    return [plot(subsets[sweep], os.path.join(out, name)) for sweep, (name, plot) in plots.items() if subsets[sweep]]
