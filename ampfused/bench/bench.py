@@ -105,15 +105,13 @@ def gated(name, case, args, device) -> dict:
         provider.close()
 
 
-def gate(provider, name, args, device, expected, case=None):
-    """Check a provider that ran ``gate_steps``: (mismatch description or "", fp32 weights if this is the reference)."""
-    if name == "torch-fused":  # built first: the reference of the gate
-        return "", _copy(provider.results())
+def gate(provider, name, args, device, expected, case) -> str:
+    """Check a provider that ran ``gate_steps`` against stock torch-fused's results: "" or the mismatch."""
     if expected is None:
-        return ("" if name == "ampfused-reference" else "no reference: stock torch-fused failed on this case"), None
+        return "" if name == "ampfused-reference" else "no reference: stock torch-fused failed on this case"
     mode = providers.memory_mode(name)
     if mode is None:
-        return measure.compare(provider.results(), expected), None
+        return measure.compare(provider.results(), expected)
     # A lossy mode is held to the reference backend running the same mode (the specification of its
     # encodings), both on the case without clipping: two stats passes' norms may differ by an ulp,
     # which would flip int8 codes at a rounding tie. split16 is also held to stock fp32 masters. The
@@ -124,16 +122,14 @@ def gate(provider, name, args, device, expected, case=None):
     if configs.MEMORY_MODES[mode].get("master_weights") is False:  # the master is the bf16 param: its 1-ulp rule
         got, want = ({"param": r["param"]} for r in (got, want))
     mismatch = measure.compare(got, want)
-    if not mismatch and mode == "split16":
-        mismatch = measure.compare(provider.results(), expected)
-    return (f"vs ampfused-reference@{mode}: {mismatch}" if mismatch else ""), None
+    if mismatch:
+        return f"vs ampfused-reference@{mode}: {mismatch}"
+    return measure.compare(provider.results(), expected) if mode == "split16" else ""
 
 
-def host_only(active: bool):
+def host_only():
     """The host sweep's Triton rows on a CPU, where the interpreter's kernel time says nothing about a
     GPU: the documented seam ``ampfused.kernels.host_only()`` runs the host side and launches nothing."""
-    if not active:
-        return contextlib.nullcontext()
     from ampfused import kernels
 
     return kernels.host_only()
@@ -151,14 +147,16 @@ def build_and_gate(case, names, device, args, rows, untimed) -> dict:
         try:
             provider = providers.make(name, case, data, device)
             if stub and name == "ampfused-triton":  # the interpreter would take minutes at 2000 tensors
-                with host_only(True):
+                with host_only():
                     provider.step()
-                peak, mismatch, reference = memory.peak(), "", None
+                peak, mismatch = memory.peak(), ""
             else:
                 gate_steps(provider, args, device)
                 peak = memory.peak()  # the provider's own, before the gate builds its oracle twin
-                mismatch, reference = gate(provider, name, args, device, expected, case)
-            expected = reference if reference is not None else expected
+                if name == "torch-fused":  # built first: the reference of the gate
+                    expected, mismatch = _copy(provider.results()), ""
+                else:
+                    mismatch = gate(provider, name, args, device, expected, case)
             detail = f"gate: {mismatch}" if mismatch else ""
         except Exception as exc:  # a crashing provider is a failed provider, the others still run
             detail = f"{type(exc).__name__}: {exc}"
@@ -189,7 +187,7 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
     copies = {key: measure.DeviceCopy.over_working_set(key, device) for key in dict.fromkeys(stream_of.values())}
     fns.update({f"copy {key:g}": copy.fn for key, copy in copies.items()})
     load = LoadWindows().start()
-    with host_only(stub):
+    with host_only() if stub else contextlib.nullcontext():
         timings = measure.interleaved(fns, device, budget, host=case.host, on_round=load.tick)
     other, other_peak = load.stop()
     # a timing that load from other processes overlapped is marked in its own row (a CUDA

@@ -13,8 +13,7 @@ import torch
 
 @dataclass
 class Timing:
-    """ms per call: median and p20/p80 over the interleaved rounds' values (a round's value is the mean
-    of its burst of calls) or, from :func:`summarize`, over single calls."""
+    """ms per call: median and p20/p80 over the rounds' values (a round's: its burst's mean) or single calls."""
 
     median_ms: float
     p20_ms: float
@@ -31,9 +30,8 @@ class Timing:
 
 @dataclass
 class Budget:
-    """Per timed function: at least ``min_samples`` calls and ``min_s`` seconds of its own time, in at
-    least ``rounds`` interleaved rounds of at least ``burst`` calls each; measuring goes on (up to
-    ``max_s`` per function) while a spread is above ``max_spread``."""
+    """Per timed function: ``min_samples`` calls, ``min_s`` seconds, ``rounds`` rounds of ``burst`` calls at
+    least; up to ``max_s`` while a spread is above ``max_spread``."""
 
     min_s: float
     max_s: float
@@ -54,7 +52,7 @@ def summarize(times_ms: list[float], budget: Budget, samples: int | None = None)
     """The Timing of ``times_ms`` (single calls, or per-round values of ``samples`` calls in all)."""
     if not times_ms:
         return Timing(math.nan, math.nan, math.nan, 0, unstable="no samples")
-    t = Timing(*quantiles(times_ms), samples if samples is not None else len(times_ms))
+    t = Timing(*quantiles(times_ms), samples or len(times_ms))
     if t.samples < budget.min_samples:
         t.unstable = f"{t.samples} samples < {budget.min_samples}"
     elif len(times_ms) < min(budget.rounds, budget.min_samples):
@@ -71,8 +69,7 @@ def ratio(num: Timing, den: Timing) -> tuple[float, float, float]:
 
 
 def _burst_timer(device: torch.device, host: bool, clock: Callable[[], float]):
-    """burst(fn, calls) -> ms of each call: perf_counter (CPU, host mode: the device synchronized before
-    each call, not inside it) or CUDA events (GPU device time, L2 flushed before each call)."""
+    """burst(fn, calls) -> ms of each call: the clock (CPU, host mode) or CUDA events (L2 flushed before each)."""
     cuda = device.type == "cuda"
     flush = torch.empty(64 << 20, dtype=torch.int32, device=device) if cuda and not host else None
 
@@ -101,12 +98,9 @@ def _burst_timer(device: torch.device, host: bool, clock: Callable[[], float]):
 def interleaved(fns: dict[str, Callable[[], None]], device: torch.device, budget: Budget, *, host: bool = False,
                 clock: Callable[[], float] = time.perf_counter, on_round: Callable[[], None] | None = None
                 ) -> dict[str, Timing]:
-    """Time every function of ``fns`` in alternating bursts, so machine load, clock changes and thermal
-    drift hit all of them alike; ``on_round`` is called after every round. One untimed call of each
-    sets its burst length, so a slow function and a fast one reach their minimums in about ``rounds``
-    rounds. A round's value is its burst's mean, and every function has one per round, so two of them
-    compare round by round (:func:`ratio`; the rules: benchmarks/README.md §1, "Metrics"). A function
-    that raises leaves the rotation and is reported with ``error``."""
+    """Time every function of ``fns`` in alternating bursts, so machine load and drift hit all alike; one
+    untimed call of each sets its burst length; ``on_round`` is called after every round. A function that
+    raises leaves the rotation with ``error`` (the rules: benchmarks/README.md §1, "Metrics")."""
     burst_of = _burst_timer(device, host, clock)
     rounds: dict[str, list[float]] = {name: [] for name in fns}
     calls, errors, burst = {name: 0 for name in fns}, {}, {}
@@ -147,10 +141,8 @@ COPY_CAP_BYTES = 4 << 30
 
 
 class DeviceCopy:
-    """The practical roofline: ``a += b`` over fp32 buffers (read a and b, write a), in place as AdamW
-    updates; not ``copy_``: benchmarks/README.md §1, "Metrics". :meth:`over_working_set` sizes it by
-    the memory a step touches (a stream over fewer bytes keeps more of them in the last-level cache
-    and flatters the step), capped at COPY_CAP_BYTES moved, where bandwidth is long flat."""
+    """The practical roofline: ``a += b`` over fp32 buffers moving ``nbytes`` (at most COPY_CAP_BYTES), in
+    place as AdamW updates (benchmarks/README.md §1, "Metrics")."""
 
     @classmethod
     def over_working_set(cls, working_set_bytes: float, device: torch.device) -> "DeviceCopy":
@@ -160,14 +152,10 @@ class DeviceCopy:
         n = max(int(min(nbytes, COPY_CAP_BYTES)) // 12, 1)  # fp32 elements per buffer: 3 x 4 bytes per element
         self.a = torch.ones(n, device=device)
         self.b = torch.full((n,), 1e-30, device=device)  # a stays 1.0: no denormals, no overflow
-        self.moved = 3 * n * 4
+        self.moved, self.working_set = 3 * n * 4, 2 * n * 4
 
     def fn(self) -> None:
         self.a.add_(self.b)
-
-    @property
-    def working_set(self) -> int:
-        return self.a.nbytes + self.b.nbytes
 
     def gbps(self, timing: Timing) -> float:
         return self.moved / (timing.median_ms * 1e-3) / 1e9
@@ -179,8 +167,7 @@ def stream_key(working_set_bytes: float) -> float:
 
 
 class PeakMemory:
-    """Peak memory above the level at ``start()``: the CUDA allocator's peak, or on a CPU the growth of
-    the peak resident set (VmHWM, reset through /proc/self/clear_refs; NaN without /proc)."""
+    """Peak memory above the level at ``start()``: the CUDA allocator's, or on a CPU the peak RSS growth (/proc)."""
 
     def __init__(self, device: torch.device):
         self.device, self.base = device, 0
@@ -218,12 +205,8 @@ def _proc_status_kb(key: str) -> int:
 
 # ---------------------------------------------------------------- correctness
 
-TOLERANCES = {torch.bfloat16: (2.0**-7, 1e-6), torch.float16: (2.0**-10, 1e-6)}  # one rounding step (1 ulp)
-
-
-def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol): fp32 as the tests use; low precision allows one rounding step (1 ulp) of difference."""
-    return TOLERANCES.get(dtype, (1e-5, 1e-6))
+# (rtol, atol): fp32 as the tests use; low precision allows one rounding step (1 ulp) of difference
+TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2.0**-7, 1e-6), torch.float16: (2.0**-10, 1e-6)}
 
 
 def compare(results: dict[str, list], expected: dict[str, list], against: str = "stock") -> str:
@@ -236,7 +219,7 @@ def compare(results: dict[str, list], expected: dict[str, list], against: str = 
                 continue  # fp32 params are their own masters: compared above
             if got.shape != want.shape or got.dtype != want.dtype:
                 return f"{key}[{i}]: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
-            rtol, atol = tolerance(got.dtype)
+            rtol, atol = TOLERANCES.get(got.dtype, TOLERANCES[torch.float32])
             if not torch.isfinite(got).all():
                 return f"{key}[{i}] has non-finite values"
             if got.dtype == torch.float32 and torch.allclose(got, want, rtol=rtol, atol=atol):
@@ -254,18 +237,17 @@ def _same(a, b) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-def storage_bytes(tensors, exclude=()) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one flat buffer count once), minus
-    ``exclude``'s. A wrapper subclass (a peer's quantized state, e.g. torchao's ``OptimState4bit``)
-    reports its logical size as its storage, so its inner tensors count."""
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views count once); a wrapper subclass (e.g.
+    torchao's ``OptimState4bit``) counts its inner tensors."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    skip, seen, todo = {t.untyped_storage().data_ptr() for t in exclude}, {}, list(tensors)
+    seen, todo = {}, list(tensors)
     while todo:
         t = todo.pop()
         if is_traceable_wrapper_subclass(t):
             todo += [getattr(t, name) for name in t.__tensor_flatten__()[0]]
-        elif t.untyped_storage().data_ptr() not in skip:
+        else:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 

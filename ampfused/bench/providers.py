@@ -1,7 +1,5 @@
-"""The implementations being compared, each wrapping one training-step tail behind ``step()``: from the
-end of the last ``backward()`` of an optimizer step to the next forward, plus folding each micro-batch's
-gradient for low-precision params. What each ``step()`` contains, the synthesized gradients and the
-bytes model of :func:`bytes_per_param`: benchmarks/README.md §1 ("Providers", "Metrics")."""
+"""The implementations compared, each timing one training-step tail (from the end of the last
+``backward()`` to the next forward) behind ``step()``, and their bytes model (benchmarks/README.md §1)."""
 from __future__ import annotations
 
 import torch
@@ -24,9 +22,8 @@ def memory_mode(provider: str) -> str | None:
 
 
 class FreshGrads:
-    """SETS copies of the case's fp32 gradients, handed over in turn at the start of every step (inside
-    the timed step, for stock and ampfused alike): new grad tensors at addresses unseen for SETS - 1
-    steps, more than any table cache keeps, as zero_grad(set_to_none=True) + backward give."""
+    """SETS copies of the case's gradients handed over in turn by every step: new grad tensors at unseen
+    addresses, as zero_grad(set_to_none=True) + backward give."""
 
     SETS = 20
 
@@ -34,8 +31,7 @@ class FreshGrads:
         self.sets, self.k = [[g.clone() for g in grads] for _ in range(self.SETS)], 0
 
     def restore(self, grads) -> None:
-        """Put the case's gradients into the set the next step hands over (the gate's restore)."""
-        torch._foreach_copy_(self.sets[self.k % self.SETS], grads)
+            torch._foreach_copy_(self.sets[self.k % self.SETS], grads)
 
     def hand_over(self, params) -> None:
         for p, g in zip(params, self.sets[self.k % self.SETS]):
@@ -57,9 +53,8 @@ class CaseData:
 
 
 class Provider:
-    """One implementation set up on one case. ``step()`` is what is timed; ``results()``: {"master": fp32
-    weights, "param": model params} after the steps so far; ``state_bytes()``: every tensor kept between
-    steps (the case's shared gradients excluded)."""
+    """One implementation on one case: ``step()`` is timed; ``results()``: {"master": fp32 weights, "param":
+    params}; ``state_bytes()``: every tensor kept between steps."""
 
     name: str
 
@@ -67,7 +62,6 @@ class Provider:
         self.case, self.config, self.data, self.device = case, case.config, data, device
 
     def restore_grads(self) -> None:
-        """Put back the gradients backward would have produced (the gate's steps; step() modifies them)."""
         if self.fresh is not None:
             self.fresh.restore(self.data.grads[0])
         elif not self.config.low_precision:
@@ -77,7 +71,7 @@ class Provider:
         return [t for s in self.opt.state.values() for t in s.values() if isinstance(t, Tensor) and t.dim()]
 
     def close(self) -> None:
-        """Drop every tensor (the next provider is measured on a clean allocator)."""
+        """Drop every tensor (the next provider starts on a clean allocator)."""
         self.__dict__.clear()
 
 
