@@ -1,6 +1,5 @@
-"""Rows of the optimizer-step benchmark and their outputs: CSV, the markdown tables of ``bench.md``,
-``run.json`` (what ``benchmarks/summary.py`` needs beside the CSV for the README's tables) and the
-PNG plots (``plots.py``, when matplotlib is installed)."""
+"""Rows of the optimizer-step benchmark and their outputs: CSV, ``bench.md``, ``run.json`` (read by
+``benchmarks/summary.py``) and the PNG plots (``plots.py``, when matplotlib is installed)."""
 from __future__ import annotations
 
 import csv
@@ -34,10 +33,9 @@ def base_row(env: dict, case: configs.Case, provider: str) -> dict:
 
 
 def add_derived(rows: list[dict]) -> None:
-    """GB/s, fraction of the roofline stream, and speedups over the stock rows of the same case (host
-    sweep: ampfused's host time over torch-fused's): the median of the round-by-round ratios where
-    both were timed interleaved (``_timing``), else of the medians. A ratio taken against an unstable
-    stock row makes the row unstable too: its headline number is no better than its baseline."""
+    """GB/s, roofline fraction and speedups over the case's stock rows (host sweep: host time over
+    torch-fused's), from round-by-round ratios where timed interleaved; a ratio to an unstable stock row
+    is unstable too."""
     stock = {r["provider"]: r for r in rows if r["provider"] in STOCK_COLUMNS and r["status"] == "ok"}
 
     def ratio(num, den):
@@ -64,9 +62,8 @@ def add_derived(rows: list[dict]) -> None:
 
 
 def add_roofline(rows: list[dict]) -> None:
-    """``roofline_frac`` of every device-timed row, never above 1: the GB/s of the ``a += b`` stream over
-    the row's own working set, or where a provider of the case reached more on a working set at least
-    as large, that (the hardware demonstrably does that much; ``roofline_from`` names it; benchmarks/README.md §1)."""
+    """``roofline_frac`` of every device-timed row, at most 1: over its ``a += b`` stream's GB/s, or a
+    provider's that reached more on a working set at least as large (``roofline_from`` names it)."""
     timed = [r for r in rows if r["status"] == "ok" and r["timer"] != "host" and r["gbps"] != "" and r["roofline_gbps"] != ""]
     size = {id(r): r["working_set_mb"] if r.get("working_set_mb", "") != "" else 0.0 for r in timed}
     for r in timed:
@@ -103,14 +100,13 @@ def _timing(r) -> str:  # (an unstable row says why)
     return f"**unstable**: {r['unstable']}" if r["unstable"] else "stable"
 
 
-def _other(r) -> str:
-    """Cores other processes kept busy during the row's case: average (busiest window)."""
+def _other(r) -> str:  # cores other processes kept busy during the row's case: average (busiest window)
     peak = r.get("other_cores_peak", "")
     return fmt(r["other_cores"], ".2f") + (f" ({fmt(peak, '.2f')})" if peak != "" else "")
 
 
 def _gate(r) -> str:
-    if r["status"] in ("ok", "untimed"):  # (detail: e.g. the host sweep's stubbed Triton kernels, an untimed oracle)
+    if r["status"] in ("ok", "untimed"):  # (detail: e.g. the host sweep's stubbed Triton kernels)
         return f"ok ({r['detail']})" if r["detail"] else "ok"
     return f"**{r['status']}**: {r['detail'][:120]}"
 
@@ -172,27 +168,22 @@ def write_markdown(rows, env, backends, skipped, budget, path) -> None:
         f"- versions: torch {env['torch']}, triton {env['triton']}, ampfused {env['ampfused']}, python {env['python']}",
         f"- ampfused backends measured: {', '.join(backends) or 'none'}",
         f"- {env.get('threads_choice') or 'threads: ' + env['threads']}",
-        f"- {load_line(env)}; per row: 'other cores' during that case, on average (in the busiest 0.5 s window); "
-        "a row where they exceed the cores the bench's threads leave free is **unstable**",
+        f"- {load_line(env)}; per row: 'other cores' during that case, on average (in the busiest 0.5 s window)",
         *([f"- **not to be trusted**: {env['untrusted']}"] if env.get("untrusted") else []),
         f"- timing: all providers of a case and the roofline stream interleaved, in {budget.rounds}+ rounds of "
-        f"{budget.burst}+ calls each ({budget.min_samples}+ calls and {budget.min_s:g}+ s per timing); a round's value "
-        "is the mean of its calls; ms/step: median (p20–p80) of the round values; × torch-*: median of the "
-        f"round-by-round ratios; **unstable** (with the reason): fewer calls, a p20–p80 spread above "
-        f"{100 * budget.max_spread:.0f}% of the median, an unstable stock row or roofline stream, or load from other processes",
+        f"{budget.burst}+ calls ({budget.min_samples}+ calls and {budget.min_s:g}+ s per timing); ms/step: median "
+        "(p20–p80) of the rounds' means; × torch-*: median of the round-by-round ratios; **unstable** (with the "
+        f"reason): fewer calls, a spread above {100 * budget.max_spread:.0f}% of the median, an unstable stock row "
+        "or roofline stream, or more load from other processes than the free cores",
         *(f"- not measured: {name} ({why})" for name, why in skipped.items()),
         *([f"- gated but not timed: {', '.join(untimed)} (the oracle and fallback; `--backends` naming it times it)"]
           if untimed else []),
         "- timed: one optimizer step's tail (micro-batch gradient folding, unscale, clip, AdamW, scaler update, "
-        "low-precision write-back); see ampfused/bench/providers.py",
-        "- B/param: modeled bytes moved per parameter (ampfused/bench/providers.py `bytes_per_param`); "
-        "% of roofline: effective GB/s over the GB/s of an in-place stream a += b over a working set of the row's "
-        "state MiB (so the last-level cache holds the same share of both), timed interleaved with the providers; "
-        "where a provider streamed faster on a working set at least as large, its GB/s is the roofline "
-        "(measured, so no row exceeds 100%; `roofline_from` in the CSV says which)",
-        "- state MiB: params, fp32 weights, grads and optimizer state the provider holds (exact; kept B/param: the "
-        "same per parameter); peak MiB: measured peak above the level before the provider was built, through its "
-        "build and gate steps (not the gate's oracle twin; CUDA allocator; on CPU, approximate RSS growth)", "",
+        "low-precision write-back); B/param: modeled bytes moved per parameter (`bytes_per_param`, "
+        "ampfused/bench/providers.py); % of roofline: GB/s over an `a += b` stream's over the row's working set, "
+        "or a faster provider's on one at least as large (`roofline_from` in the CSV)",
+        "- state MiB: every tensor the provider keeps between steps (kept B/param: per parameter); peak MiB: "
+        "measured peak above the level before the provider was built, through its build and gate steps", "",
     ]
     with open(path, "w") as f:
         f.write("\n".join(head) + "\n" + markdown_summary(rows) + "\n")
