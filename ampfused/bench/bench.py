@@ -1,9 +1,7 @@
 """`python -m ampfused bench`: the optimizer-step benchmark of ampfused against the stock torch.amp path.
 
-For every case (``configs.py``) and provider (``providers.py``): build it, **gate** it against stock
-torch-fused (a failure is reported FAILED, not timed, and exits 1), then time the ``step()`` of all
-that passed and the ``a += b`` roofline stream interleaved (``measure.interleaved``). Outputs,
-metrics, sweeps, the gate and the untimed ``reference`` oracle: benchmarks/README.md §1.
+Every provider of a case is gated against stock torch-fused, then those that passed are timed interleaved
+(benchmarks/README.md §1).
 """
 from __future__ import annotations
 
@@ -82,7 +80,6 @@ def ampfused_backends(device: torch.device, requested, interpreter: bool) -> tup
 
 
 def gate_steps(provider, args, device) -> None:
-    """The steps whose results the gate compares."""
     for _ in range(args.gate_steps):
         provider.restore_grads()
         provider.step()
@@ -128,8 +125,7 @@ def gate(provider, name, args, device, expected, case) -> str:
 
 
 def host_only():
-    """The host sweep's Triton rows on a CPU, where the interpreter's kernel time says nothing about a
-    GPU: the documented seam ``ampfused.kernels.host_only()`` runs the host side and launches nothing."""
+    """The host sweep's Triton rows on a CPU: the host side only, no kernel launched."""
     from ampfused import kernels
 
     return kernels.host_only()
@@ -220,8 +216,8 @@ def run_case(case, names, device, args, budget, env, progress, untimed=()) -> li
 
 
 def warm_up(cases, names, device) -> None:
-    """One untimed step of every provider on a tiny case of a configuration it runs in (so no provider
-    meets a case it does not apply to): lazy initialisation stays out of the first row."""
+    """One untimed step of every provider on a tiny case it applies to: lazy initialisation stays out of
+    the first row."""
     done = set()
     for case in cases:
         tiny = configs.Case(case.sweeps, configs.shape_set("few-large", 4096), case.config)
@@ -236,9 +232,7 @@ def warm_up(cases, names, device) -> None:
 
 
 def case_providers(case, names, device) -> list[str]:
-    """The providers of ``case``: no torch-foreach in the host sweep, keep_scaled_grads in scaled cases
-    only, the memory modes in the memory sweep only, and on a CPU above BIG_CPU_CASE neither
-    torch-foreach nor the untimed oracle (why: benchmarks/README.md §1, "Correctness gate")."""
+    """The providers of ``case`` (which run where: benchmarks/README.md §1, "Correctness gate")."""
     memory = "memory" in case.sweeps
     names = [n for n in names if (providers.MODE in n) == memory or (memory and providers.MODE not in n and
                                                                      not n.endswith(providers.KEEP_SCALED))]

@@ -77,10 +77,10 @@ class Progress:
         try:
             from tqdm import tqdm
         except ImportError:
-            self.bar, self.done = None, 0
+            self.bar = None
         else:
             self.bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
-        self.total, self.text = total, ""
+        self.total, self.done, self.text = total, 0, ""
 
     def describe(self, text: str) -> None:
         self.text = text
@@ -88,13 +88,12 @@ class Progress:
             self.bar.set_postfix_str(text)
 
     def update(self, n: int = 1) -> None:
+        self.done += n
         if self.bar is None:
-            self.done += n
             print(f"[{self.done}/{self.total}] {self.text}", file=sys.stderr, flush=True)
-            return
-        if self.bar.total is not None and self.bar.n + n > self.bar.total:  # more rounds than planned
-            self.bar.total = self.bar.n + n
-        self.bar.update(n)
+        else:
+            self.bar.total = max(self.bar.total, self.done)  # (more rounds than planned)
+            self.bar.update(n)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -45,12 +45,6 @@ class StepConfig:
         return self.param_dtype in LOW_PRECISION
 
 
-def all_configs() -> list[StepConfig]:
-    """fp32 (autocast AMP with a scaler); bf16 and fp16 params with N in {1, 4}; each with and without clipping."""
-    return [c for clip in (True, False) for c in [StepConfig("fp32", 1, True, clip)] + [
-        StepConfig(dtype, n, scaled, clip) for dtype, scaled in (("bf16", False), ("fp16", True)) for n in (1, 4)]]
-
-
 FP32_CLIP = StepConfig("fp32", 1, True, True)
 FP32_NOCLIP = StepConfig("fp32", 1, True, False)
 FP32_CLIP_FRESH = StepConfig("fp32", 1, True, True, fresh_grads=True)
@@ -93,9 +87,8 @@ class ShapeSet:
 
 
 def shape_set(family: str, total: int) -> ShapeSet:
-    """``total`` params split as ``family`` does: 4 equal tensors of one row each, or every tensor of
-    the real model with its rows scaled by ``total / model size`` (at least one each): the model's
-    row lengths and 1-D tensors, which decide int8 moments' blocks ([note: blocks in rows])."""
+    """``total`` params as 4 equal one-row tensors, or as the real model's tensors with their rows scaled
+    (their row lengths decide int8 moments' blocks, [note: blocks in rows])."""
     if family == "few-large":
         base = [total // 4] * 4
         base[0] += total - sum(base)
@@ -131,12 +124,9 @@ class Case:
 
 
 SWEEPS = ("configs", "size", "tensors", "host", "memory")
-# DESIGN §9's compact state, the memory sweep's rows: name -> FusedAmpAdamW keyword arguments, on bf16
-# params (split16 has no fp16 form). The int4 rows with a master read autograd's bf16 gradients
-# (fp32_grad_accumulation=False, as no master does by default): the smallest layouts, 5, 6 and 7 B/param.
-# No row rounds stochastically (it changes bits, not bytes): the gate holds a row to the reference
-# backend within fp32 tolerances, and a param one fp32 ulp apart rounds to another bf16 wherever the
-# random bits carry on one side only.
+# DESIGN §9's compact state, the memory sweep's rows on bf16 params: name -> FusedAmpAdamW keyword arguments.
+# The int4 rows with a master read autograd's bf16 gradients: the smallest layouts, 5, 6 and 7 B/param. No row
+# rounds stochastically: the gate holds a row to the reference within fp32 tolerances.
 MEMORY_MODES = {
     "split16": dict(master_weights="split16"), "split8": dict(master_weights="split8"),
     "bf16-moments": dict(state_dtype=torch.bfloat16), "int8-moments": dict(state_dtype="int8"),
@@ -165,8 +155,10 @@ def plan(name: str, sweeps: tuple[str, ...] = SWEEPS, sizes: tuple[int, ...] | N
     """The cases of plan ``name`` ("quick", "cpu", "gpu"), deduplicated, in run order."""
     configs_total, size_totals, tensors_total = PLANS[name]
     size_totals, cases = sizes or size_totals, []
-    if "configs" in sweeps:
-        configs = all_configs() if name != "quick" else [FP32_CLIP, BF16_X4_CLIP, FP16_X1_CLIP]
+    if "configs" in sweeps:  # fp32 (autocast AMP with a scaler); bf16 and fp16 params with N in {1, 4}; +-clip
+        configs = [FP32_CLIP, BF16_X4_CLIP, FP16_X1_CLIP] if name == "quick" else [
+            c for clip in (True, False) for c in [StepConfig("fp32", 1, True, clip)] + [
+                StepConfig(dtype, n, scaled, clip) for dtype, scaled in (("bf16", False), ("fp16", True)) for n in (1, 4)]]
         cases += [("configs", shape_set("gpt2-like", configs_total), c) for c in configs]
     if "size" in sweeps:
         head = (FP32_CLIP, BF16_X1_CLIP) if name == "gpu" else (FP32_CLIP,)

@@ -31,20 +31,18 @@ def environment(device: torch.device, threads: int) -> dict[str, str]:
 PROBE_S = 1.0  # how long pick_threads watches the machine before the run
 
 
-def pick_threads(requested: int | None, probe_s: float = PROBE_S, other: float | None = None) -> tuple[int, str, str]:
-    """(threads, the header line that says why, "" or why the timings are not to be trusted). Unless
-    ``requested``: the cores other processes left free over ``probe_s`` (rounded up from 0.7 of a
-    core), at least one; more threads than free cores time the neighbours, not the step (the default
-    run on 2 cores with one busy took 16 minutes; benchmarks/README.md §1, "Metrics")."""
+def pick_threads(requested: int | None, other: float | None = None) -> tuple[int, str, str]:
+    """(threads, the header line that says why, "" or why the timings are not to be trusted): unless
+    ``requested``, the cores other processes left free over PROBE_S (from 0.7 of a core), at least one."""
     cores = len(os.sched_getaffinity(0))
     if other is None:
         load = Load().start()
-        time.sleep(probe_s)
+        time.sleep(PROBE_S)
         other = load.stop()
     if other != other:  # NaN: no /proc
         return requested or cores, f"threads: {requested or cores} (the load of other processes is not measurable here)", ""
     free = max(0.0, min(cores, (os.cpu_count() or cores) - other))
-    seen = f"other processes kept {other:.2f} of {os.cpu_count()} cores busy in the {probe_s:g} s before the start"
+    seen = f"other processes kept {other:.2f} of {os.cpu_count()} cores busy in the {PROBE_S:g} s before the start"
     threads = requested or max(1, min(cores, math.floor(free + 0.3)))
     line = f"threads: {threads} of {cores} cores ({'--threads' if requested else 'the free cores; --threads N to choose'}); {seen}"
     if threads < cores and not requested:
@@ -81,9 +79,8 @@ def loadavg() -> str:
 
 
 class Load:
-    """CPU cores kept busy by *other* processes between ``start()`` and ``stop()``: the machine's busy
-    jiffies (/proc/stat) minus this process's own (/proc/self/stat) over the elapsed ones, 1.0 for one
-    core busy the whole time (the load average cannot tell our threads from others'). NaN without /proc."""
+    """CPU cores kept busy by *other* processes between ``start()`` and ``stop()`` (/proc/stat busy jiffies
+    minus this process's own; 1.0: one core busy the whole time; NaN without /proc)."""
 
     def __init__(self):
         self.begin, self.loadavg_before, self.loadavg_after = None, "?", "?"
@@ -106,10 +103,8 @@ class Load:
 
 
 class LoadWindows:
-    """:class:`Load` over a timed block, also in windows of at least ``window_s`` (``tick()`` between timed
-    calls closes one when it is long enough): the average says how loaded the block was, the busiest
-    window catches a burst that the average dilutes. /proc/stat counts in jiffies (10 ms): a 0.1 s
-    window of 2 cores would read busy cores to ±0.1."""
+    """:class:`Load` over a timed block and in windows of at least ``window_s`` (closed by ``tick()``): the
+    busiest window catches a burst that the average dilutes."""
 
     def __init__(self, window_s: float = 0.5, clock=time.monotonic):
         self.window_s, self.clock, self.total, self.windows = window_s, clock, Load(), []
@@ -140,8 +135,8 @@ class LoadWindows:
 
 
 def overlapping_load(average: float, peak: float, threads: int, margin: float = 0.25) -> str:
-    """Why a timing overlapped load from other processes, or "": other processes kept busy more than the
-    cores ``threads`` leave free (plus ``margin``, an idle machine's noise), on average or in the busiest window."""
+    """Why a timing overlapped load from other processes (more than the cores ``threads`` leave free plus
+    ``margin``, on average or at peak), or ""."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     worst = max(average, peak)
     if worst != worst or worst <= max(cores - threads, 0) + margin:  # NaN: not measurable, not marked
