@@ -40,7 +40,7 @@ else
   "$PYTHON_BIN" -m venv "$VENV"
   "$VENV/bin/pip" install -q "$TORCH_SPEC" 2>&1 | grep -v "is ignored" || true
 fi
-"$VENV/bin/pip" install -q ninja pytest numpy setuptools wheel 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/pip" install -q ninja pytest pytest-xdist numpy setuptools wheel 2>&1 | grep -v "is ignored" || true
 "$VENV/bin/python" -c "import torch; assert torch.version.cuda, 'not a CUDA build of torch'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # a toolkit without cuobjdump: Triton's wheel ships one
 [ -n "$CUOBJDUMP" ] || CUOBJDUMP="$(ls "$VENV"/lib/python*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -1 || true)"
@@ -90,5 +90,5 @@ PY
 say "import check done"
 # CPU tier of the op tests under this torch (GPU tests skip here); pytest, not `python -m pytest`,
 # so that `import ampfused` is the installed package with its _C, not the copied source tree
-cd "$WORK" && "$VENV/bin/pytest" -q -p no:cacheprovider tests/contract/test_compiled_ops.py
+cd "$WORK" && "$VENV/bin/pytest" -q -n 0 -p no:cacheprovider tests/contract/test_compiled_ops.py
 say "finished"
